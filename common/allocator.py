@@ -1,0 +1,159 @@
+"""Page allocator of one pool: the only owner of the free list and of page states.
+
+Page states, derived from two arrays:
+
+    state     owner_of   pin_count   on free stack
+    free        FREE        0            yes
+    owned      >= 0         0            no
+    pinned     >= 0        > 0           no
+    pending     FREE       > 0           no      (freed while pinned; back at last unpin)
+    reserved  RESERVED      0            no      (page 0: padding, never handed out)
+
+Every operation is vectorised over page-id arrays and, when a free log is attached,
+recorded as one event.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.freelog import FreeLogWriter
+
+FREE = -1
+RESERVED = -2
+
+
+class PageAllocator:
+    """Allocator of ``num_pages`` pages of one pool; page ids in ``reserved`` are never used.
+
+    Not thread-safe by itself: ``KvCache`` serialises calls.
+    """
+
+    def __init__(self, name: str, num_pages: int, reserved: tuple[int, ...] = (0,),
+                 log: FreeLogWriter | None = None):
+        self.name = name
+        self.num_pages = num_pages
+        self.reserved = tuple(sorted(reserved))
+        self._log = log
+        self._owner_of = np.full(num_pages, FREE, dtype=np.int32)
+        self._owner_of[list(self.reserved)] = RESERVED
+        self._pin_count = np.zeros(num_pages, dtype=np.int32)
+        usable = np.setdiff1d(np.arange(num_pages, dtype=np.int32), self.reserved)
+        # Stack top is the end; reversed so that a fresh pool hands out ascending ids.
+        self._stack = usable[::-1].copy()
+        self._top = len(usable)
+        self._owner_ids: dict[str, int] = {}
+        self._owner_names: list[str] = []
+        self._pins: dict[int, np.ndarray] = {}
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - len(self.reserved)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self._top
+
+    def owner_id(self, owner: str) -> int:
+        oid = self._owner_ids.get(owner)
+        if oid is None:
+            oid = self._owner_ids[owner] = len(self._owner_names)
+            self._owner_names.append(owner)
+        return oid
+
+    def not_owned(self, pages: np.ndarray, owner: str) -> np.ndarray:
+        """Positions in ``pages`` whose page ``owner`` does not hold."""
+        return np.flatnonzero(self._owner_of[pages] != self.owner_id(owner))
+
+    def owner_name(self, page: int) -> str:
+        oid = int(self._owner_of[page])
+        return {FREE: "<free>", RESERVED: "<reserved>"}.get(oid) or self._owner_names[oid]
+
+    def pages_owned_by(self, owner: str) -> np.ndarray:
+        return np.flatnonzero(self._owner_of == self.owner_id(owner)).astype(np.int32)
+
+    def owners_holding_pages(self) -> dict[str, int]:
+        counts = np.bincount(self._owner_of[self._owner_of >= 0], minlength=1)
+        return {self._owner_names[i]: int(c) for i, c in enumerate(counts) if c}
+
+    # -- state changes ------------------------------------------------------------------
+    def allocate(self, n: int, owner: str) -> np.ndarray:
+        """Hand ``n`` free pages to ``owner``; the caller checked ``can_allocate(n)``."""
+        assert n <= self._top, f"allocate({n}) with {self._top} free pages in {self.name}"
+        self._top -= n
+        pages = self._stack[self._top:self._top + n][::-1].copy()
+        self._owner_of[pages] = self.owner_id(owner)
+        if self._log is not None:
+            self._log.alloc(self.name, pages, owner)
+        return pages
+
+    def free(self, pages: np.ndarray, owner: str, reason: str,
+             ranges: list[tuple[int, int]] | None = None) -> None:
+        """``owner`` gives ``pages`` back (checked by the caller); pinned ones become pending."""
+        self._owner_of[pages] = FREE
+        if self._log is not None:
+            self._log.free(self.name, pages, owner, reason, ranges)
+        self._push(pages[self._pin_count[pages] == 0])
+
+    def handoff(self, pages: np.ndarray, owner: str, to: str) -> None:
+        """Move ``pages`` (held by ``owner``, checked by the caller) to the owner ``to``."""
+        self._owner_of[pages] = self.owner_id(to)
+        if self._log is not None:
+            self._log.handoff(self.name, pages, owner, to)
+
+    def check_pinnable(self, pages: np.ndarray) -> None:
+        """Raise unless every page is owned or pending (never free or reserved)."""
+        bad = np.flatnonzero((self._owner_of[pages] < 0) & (self._pin_count[pages] == 0))
+        if len(bad):
+            page = int(pages[bad[0]])
+            raise ValueError(f"cannot pin page {page} of pool {self.name!r}: it is "
+                             f"{self.owner_name(page)}, not owned or pending")
+
+    def pin(self, pages: np.ndarray, pin_id: int, reason: str) -> None:
+        """Claim ``pages`` for in-flight I/O; the caller checked ``check_pinnable``."""
+        assert pin_id not in self._pins, f"pin id {pin_id} reused in {self.name}"
+        self._pins[pin_id] = pages
+        np.add.at(self._pin_count, pages, 1)
+        if self._log is not None:
+            self._log.pin(self.name, pages, pin_id, reason)
+
+    def unpin(self, pin_id: int) -> None:
+        """End a pin; pages freed meanwhile whose last pin this was go back to the free list."""
+        pages = self._pins.pop(pin_id)
+        np.subtract.at(self._pin_count, pages, 1)
+        if self._log is not None:
+            self._log.unpin(self.name, pages, pin_id)
+        released = np.unique(pages[(self._pin_count[pages] == 0)
+                                   & (self._owner_of[pages] == FREE)])
+        if len(released):
+            if self._log is not None:
+                self._log.release(self.name, released)
+            self._push(released)
+
+    def _push(self, pages: np.ndarray) -> None:
+        n = len(pages)
+        self._stack[self._top:self._top + n] = pages[::-1]
+        self._top += n
+
+    # -- integrity ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """free + owned + pending == usable; the stack holds exactly the free pages."""
+        stack = self._stack[:self._top]
+        assert len(np.unique(stack)) == len(stack), f"{self.name}: duplicate page on free list"
+        assert np.all(self._owner_of[stack] == FREE), f"{self.name}: owned page on free list"
+        assert np.all(self._pin_count[stack] == 0), f"{self.name}: pinned page on free list"
+        expected = np.zeros(self.num_pages, dtype=np.int32)
+        for pages in self._pins.values():
+            np.add.at(expected, pages, 1)
+        assert np.array_equal(expected, self._pin_count), f"{self.name}: pin counts drifted"
+        owned = int(np.count_nonzero(self._owner_of >= 0))
+        pending = int(np.count_nonzero((self._owner_of == FREE) & (self._pin_count > 0)))
+        assert self._top + owned + pending == self.num_usable, (
+            f"{self.name}: free {self._top} + owned {owned} + pending {pending} "
+            f"!= usable {self.num_usable}")
+        assert np.all(self._owner_of[list(self.reserved)] == RESERVED), \
+            f"{self.name}: reserved page handed out"

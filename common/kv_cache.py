@@ -1,0 +1,358 @@
+"""KvCache: paged KV pools, the row table, ``free_kv_row`` and pins, in one lock.
+
+Pools are named ``full`` (full attention) and, in the hybrid sliding-window
+configuration, ``swa``. A live row position has a slot in ``full`` and, while it is at or
+above the row's ``swa_evicted_seqlen``, the matching slot of a page in ``swa`` (one
+``swa`` page per ``full`` page of the row, the same offset within the page).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from common.allocator import PageAllocator
+from common.errors import OutOfPages, RangeError
+from common.freelog import FreeLogWriter
+from common.kv_record import KvRecord
+from common.layout import KvLayout
+from common.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
+
+
+class KvCache:
+    """Paged KV memory of one process: pools, allocators and request rows.
+
+    Args:
+        num_pages: pages of the ``full`` pool, page 0 (reserved) included.
+        page_size: slots per page.
+        swa_num_pages: pages of the ``swa`` pool; ``None`` for no sliding window.
+        max_rows: rows (requests) open at once.
+        max_row_len: positions a row may hold; defaults to the whole pool.
+        device: where the KV tensors live (``cpu``, ``cuda:N``).
+        log_path: free-log file to record every allocator event to; ``None`` records nothing.
+        node: the process's name in the free log.
+        layout: what a page holds; see ``KvLayout``.
+
+    All methods are thread-safe.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, swa_num_pages: int | None = None,
+                 max_rows: int = 256, max_row_len: int | None = None,
+                 device: str | torch.device = "cpu", log_path: str | os.PathLike | None = None,
+                 node: str = "node", layout: KvLayout | None = None):
+        _check_sizes(num_pages, page_size, swa_num_pages, max_rows, max_row_len)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.layout = layout or KvLayout()
+        self.device = torch.device(device)
+        self.max_row_len = max_row_len or (num_pages - 1) * page_size
+        self._max_row_pages = ceil_div(self.max_row_len, page_size)
+        sizes = {"full": num_pages} | ({"swa": swa_num_pages} if swa_num_pages else {})
+        self._log = None if log_path is None else FreeLogWriter(log_path, node=node, pools={
+            name: {"num_pages": n, "page_size": page_size, "reserved": [0]}
+            for name, n in sizes.items()})
+        self._pools = {name: PageAllocator(name, n, (0,), self._log) for name, n in sizes.items()}
+        shape = self.layout.page_shape(page_size)
+        # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
+        self._data = {name: torch.zeros((n, *shape), dtype=self.layout.torch_dtype,
+                                        device=self.device) for name, n in sizes.items()}
+        self._row_pages: dict[str, list[np.ndarray | None]] = {
+            name: [None] * max_rows for name in sizes}
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._records: dict[str, KvRecord] = {}
+        self._pin_pools: dict[int, list[PageAllocator]] = {}
+        self._pin_ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- pools --------------------------------------------------------------------------
+    def data(self, pool: str = "full") -> torch.Tensor:
+        """The pool's KV tensor, ``[num_pages, total_layers, 2, page_size, kv_heads, head_dim]``."""
+        return self._data[pool]
+
+    def num_free_pages(self, pool: str = "full") -> int:
+        return self._pool(pool).num_free
+
+    @property
+    def pool_names(self) -> list[str]:
+        return list(self._pools)
+
+    # -- rows ---------------------------------------------------------------------------
+    def open_row(self, owner: str) -> KvRecord:
+        """Open an empty row for ``owner`` (a request id, one open row each)."""
+        with self._lock:
+            if owner in self._records:
+                raise ValueError(f"owner {owner!r} already has an open row")
+            if owner.startswith("cache:"):
+                raise ValueError(f"owner {owner!r}: the 'cache:' prefix is for caches")
+            if not self._free_rows:
+                raise OutOfPages(f"all {len(self._row_pages['full'])} rows are open")
+            row = self._free_rows.pop()
+            for rows in self._row_pages.values():
+                rows[row] = np.zeros(self._max_row_pages, dtype=np.int32)
+            kv = self._records[owner] = KvRecord(owner=owner, row=row)
+            return kv
+
+    def extend(self, kv: KvRecord, num_tokens: int) -> None:
+        """Give ``kv`` slots for positions ``[allocated_len, allocated_len + num_tokens)``.
+
+        Raises:
+            OutOfPages: a pool has too few free pages; nothing changed.
+            ValueError: the row would pass ``max_row_len``; nothing changed.
+        """
+        with self._lock:
+            self._check_open(kv)
+            new_len = kv.allocated_len + num_tokens
+            if num_tokens < 0 or new_len > self.max_row_len:
+                raise ValueError(f"extend({kv.owner!r}, {num_tokens}): row length {new_len} "
+                                 f"outside [0, max_row_len={self.max_row_len}]")
+            first = ceil_div(kv.allocated_len, self.page_size)
+            need = ceil_div(new_len, self.page_size) - first
+            for name, pool in self._pools.items():
+                if not pool.can_allocate(need):
+                    raise OutOfPages(f"{kv.owner!r} needs {need} pages of pool {name!r}, "
+                                     f"{pool.num_free} free")
+            for name, pool in self._pools.items():
+                self._row_pages[name][kv.row][first:first + need] = pool.allocate(need, kv.owner)
+            kv.allocated_len = new_len
+
+    def commit(self, kv: KvRecord, num_tokens: int) -> None:
+        """Mark ``num_tokens`` more positions as holding verified KV."""
+        with self._lock:
+            if not 0 <= kv.committed_len + num_tokens <= kv.allocated_len:
+                raise ValueError(f"commit({kv.owner!r}, {num_tokens}): committed_len "
+                                 f"{kv.committed_len} + {num_tokens} outside "
+                                 f"[0, allocated_len={kv.allocated_len}]")
+            kv.committed_len += num_tokens
+
+    def close_row(self, kv: KvRecord) -> None:
+        """Return the row slot; the pages must have been freed (or handed off) first."""
+        with self._lock:
+            self._check_open(kv)
+            for name, pool in self._pools.items():
+                pages = self._row_pages[name][kv.row][:ceil_div(kv.allocated_len, self.page_size)]
+                held = pages[pool.not_owned(pages, kv.owner)] if len(pages) else pages
+                if len(held) != len(pages):
+                    raise ValueError(f"close_row({kv.owner!r}): the row still holds "
+                                     f"{len(pages) - len(held)} pages of pool {name!r}; "
+                                     "free them with free_kv_row first")
+                self._row_pages[name][kv.row] = None
+            del self._records[kv.owner]
+            self._free_rows.append(kv.row)
+            kv.row = -1
+
+    # -- reading a row ------------------------------------------------------------------
+    def pages(self, kv: KvRecord, start: int, end: int, pool: str = "full") -> np.ndarray:
+        """Page ids (int32) covering positions ``[start, end)`` of the row."""
+        with self._lock:
+            self._check_span(kv, start, end)
+            first, last = start // self.page_size, ceil_div(end, self.page_size)
+            return self._row_pages[pool][kv.row][first:last].copy()
+
+    def slots(self, kv: KvRecord, start: int, end: int, pool: str = "full") -> torch.Tensor:
+        """Slot ids (int64, CPU) of positions ``[start, end)``: ``page * page_size + offset``."""
+        with self._lock:
+            self._check_span(kv, start, end)
+            positions = np.arange(start, end)
+            pages = self._row_pages[pool][kv.row][positions // self.page_size]
+            return torch.from_numpy(pages.astype(np.int64) * self.page_size
+                                    + positions % self.page_size)
+
+    # -- giving pages back --------------------------------------------------------------
+    def free_kv_row(self, kv: KvRecord, ranges: Iterable[Sequence[int]], *,
+                    reason: str = "finished") -> None:
+        """Give back the pages of row-position ranges of ``kv`` (DESIGN.md section 3).
+
+        Touching ranges are merged; starts must be page-aligned; an end mid-page releases
+        the whole last page. Positions below ``swa_evicted_seqlen`` go back to ``full``
+        only, the rest to both pools. Pinned pages return to the free list at their last
+        unpin. Counters and the row table are left to the caller.
+
+        Raises:
+            RangeError: any range breaks the contract (named in the message); nothing freed.
+        """
+        with self._lock:
+            self._check_open(kv)
+            merged = merge_ranges(ranges)
+            if not merged:
+                return
+            check_ranges(merged, self.page_size, kv.allocated_len, kv.protected_len)
+            plan = self._free_plan(kv, merged)
+            for pool, pages in plan:
+                pool.free(pages, kv.owner, reason, merged)
+
+    def evict_window(self, kv: KvRecord, upto: int) -> None:
+        """Free the sliding-window pages of whole pages below position ``upto``."""
+        with self._lock:
+            self._check_open(kv)
+            pool = self._pools.get("swa")
+            if pool is None:
+                raise ValueError("evict_window: this KvCache has no sliding-window pool")
+            if not 0 <= upto <= kv.allocated_len:
+                raise ValueError(f"evict_window({kv.owner!r}, {upto}) outside "
+                                 f"[0, allocated_len={kv.allocated_len}]")
+            floor = upto // self.page_size * self.page_size
+            if floor <= kv.swa_evicted_seqlen:
+                return
+            idx = np.arange(kv.swa_evicted_seqlen // self.page_size, floor // self.page_size)
+            pages = self._owned_pages(kv, "swa", idx, [(kv.swa_evicted_seqlen, floor)])
+            pool.free(pages, kv.owner, "evicted", [(kv.swa_evicted_seqlen, floor)])
+            self._row_pages["swa"][kv.row][idx] = 0
+            kv.swa_evicted_seqlen = floor
+
+    def handoff(self, kv: KvRecord, end: int, to: str) -> None:
+        """Move the row's pages below ``end`` (page-aligned) to the cache owner ``to``."""
+        with self._lock:
+            self._check_open(kv)
+            if not to.startswith("cache:"):
+                raise ValueError(f"handoff to {to!r}: the new owner must be 'cache:<name>'")
+            merged = merge_ranges([(kv.protected_len, end)])
+            check_ranges(merged, self.page_size, kv.allocated_len, kv.protected_len)
+            if end % self.page_size and end != kv.allocated_len:
+                raise RangeError(f"handoff end {end} must be page-aligned")
+            for pool, pages in self._free_plan(kv, merged):
+                pool.handoff(pages, kv.owner, to)
+            kv.protected_len = max(kv.protected_len, end)
+
+    def free_pages(self, owner: str, pages: np.ndarray, *, reason: str,
+                   pool: str = "full") -> None:
+        """A cache (``owner``) gives back ``pages`` it holds."""
+        with self._lock:
+            pages = np.asarray(pages, dtype=np.int32)
+            allocator = self._pool(pool)
+            bad = allocator.not_owned(pages, owner)
+            if len(bad):
+                page = int(pages[bad[0]])
+                raise RangeError(f"{owner!r} cannot free page {page} of pool {pool!r}: it "
+                                 f"belongs to {allocator.owner_name(page)}")
+            allocator.free(pages, owner, reason)
+
+    def _free_plan(self, kv: KvRecord, merged: list[tuple[int, int]]
+                   ) -> list[tuple[PageAllocator, np.ndarray]]:
+        """Pages to give back per pool, checked to be held by ``kv``; raises before any change."""
+        idx = page_indices(merged, self.page_size)
+        plan = [(self._pools["full"], self._owned_pages(kv, "full", idx, merged))]
+        if "swa" in self._pools:
+            floor = kv.swa_evicted_seqlen
+            below, above = merged[0][0] < floor, merged[-1][1] > floor
+            if below and above and floor % self.page_size:
+                raise RangeError(f"ranges {merged} straddle swa_evicted_seqlen={floor}, "
+                                 "which is not page-aligned")
+            swa_idx = idx[idx >= floor // self.page_size] if above else idx[:0]
+            plan.append((self._pools["swa"], self._owned_pages(kv, "swa", swa_idx, merged)))
+        return [(pool, pages) for pool, pages in plan if len(pages)]
+
+    def _owned_pages(self, kv: KvRecord, pool: str, idx: np.ndarray,
+                     merged: list[tuple[int, int]]) -> np.ndarray:
+        pages = self._row_pages[pool][kv.row][idx]
+        bad = self._pools[pool].not_owned(pages, kv.owner)
+        if len(bad):
+            page, index = int(pages[bad[0]]), int(idx[bad[0]])
+            start, end = range_of_index(merged, self.page_size, index)
+            raise RangeError(f"range ({start}, {end}) of {kv.owner!r} covers page {page} of "
+                             f"pool {pool!r}, which belongs to "
+                             f"{self._pools[pool].owner_name(page)} (double free?)")
+        return pages
+
+    # -- pins ---------------------------------------------------------------------------
+    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
+        """Pin the pages covering positions ``[start, end)`` in every pool that has them.
+
+        Two-phase I/O: pin before handing the pages to a copy or a transfer, ``unpin``
+        once it completed. Returns the pin id.
+        """
+        with self._lock:
+            self._check_span(kv, start, end)
+            idx = np.arange(start // self.page_size, ceil_div(end, self.page_size))
+            per_pool = [(self._pools["full"], self._row_pages["full"][kv.row][idx])]
+            if "swa" in self._pools:
+                swa_idx = idx[idx >= kv.swa_evicted_seqlen // self.page_size]
+                per_pool.append((self._pools["swa"], self._row_pages["swa"][kv.row][swa_idx]))
+            return self._pin(per_pool, reason)
+
+    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
+        """Pin page ids of ``pool`` directly (they must be owned or pending)."""
+        with self._lock:
+            return self._pin([(self._pool(pool), np.asarray(pages, dtype=np.int32))], reason)
+
+    def unpin(self, pin_id: int) -> None:
+        """End pin ``pin_id``; pages freed meanwhile return to the free list at their last pin."""
+        with self._lock:
+            pools = self._pin_pools.pop(pin_id, None)
+            if pools is None:
+                raise ValueError(f"unpin({pin_id}): no such pin (already unpinned?)")
+            for pool in pools:
+                pool.unpin(pin_id)
+
+    def _pin(self, per_pool: list[tuple[PageAllocator, np.ndarray]], reason: str) -> int:
+        per_pool = [(pool, pages) for pool, pages in per_pool if len(pages)]
+        for pool, pages in per_pool:  # check every pool before changing any
+            pool.check_pinnable(pages)
+        pin_id = next(self._pin_ids)
+        for pool, pages in per_pool:
+            pool.pin(pages, pin_id, reason)
+        self._pin_pools[pin_id] = [pool for pool, _ in per_pool]
+        return pin_id
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self, retained: Sequence[str] = ()) -> None:
+        """Write the free log's ``close`` event (owners in ``retained`` may still hold pages)."""
+        with self._lock:
+            if not self._closed and self._log is not None:
+                self._log.close(retained)
+            self._closed = True
+
+    def owners_holding_pages(self, pool: str = "full") -> dict[str, int]:
+        with self._lock:
+            return self._pool(pool).owners_holding_pages()
+
+    def check_integrity(self) -> None:
+        """Assert allocator invariants and that each owned page sits in its owner's row once."""
+        with self._lock:
+            for name, pool in self._pools.items():
+                pool.check_integrity()
+                for kv in self._records.values():
+                    kv.check()
+                    pages = self._row_pages[name][kv.row][:ceil_div(kv.allocated_len,
+                                                                    self.page_size)]
+                    mine = np.delete(pages, pool.not_owned(pages, kv.owner))
+                    held = pool.pages_owned_by(kv.owner)
+                    assert len(np.unique(mine)) == len(mine) == len(held), (
+                        f"{name}: {kv.owner!r} holds {len(held)} pages, its row maps "
+                        f"{len(mine)} ({len(np.unique(mine))} distinct)")
+
+    # -- checks -------------------------------------------------------------------------
+    def _pool(self, pool: str) -> PageAllocator:
+        try:
+            return self._pools[pool]
+        except KeyError:
+            raise ValueError(f"unknown pool {pool!r}; this KvCache has {list(self._pools)}") \
+                from None
+
+    def _check_open(self, kv: KvRecord) -> None:
+        if not kv.is_open or self._records.get(kv.owner) is not kv:
+            raise ValueError(f"row of {kv.owner!r} is not open in this KvCache")
+
+    def _check_span(self, kv: KvRecord, start: int, end: int) -> None:
+        self._check_open(kv)
+        if not 0 <= start <= end <= kv.allocated_len:
+            raise RangeError(f"positions ({start}, {end}) of {kv.owner!r} outside "
+                             f"[0, allocated_len={kv.allocated_len}]")
+
+
+def _check_sizes(num_pages: int, page_size: int, swa_num_pages: int | None, max_rows: int,
+                 max_row_len: int | None) -> None:
+    if num_pages < 2:
+        raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    if swa_num_pages is not None and swa_num_pages < 2:
+        raise ValueError(f"swa_num_pages={swa_num_pages}: need at least 2 or None")
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} must be >= 1")
+    if max_row_len is not None and max_row_len < 1:
+        raise ValueError(f"max_row_len={max_row_len} must be >= 1")
