@@ -253,9 +253,10 @@ class KvCache:
         if len(bad):
             page, index = int(pages[bad[0]]), int(idx[bad[0]])
             start, end = range_of_index(merged, self.page_size, index)
+            now = self._pools[pool].owner_name(page)
             raise RangeError(f"range ({start}, {end}) of {kv.owner!r} covers page {page} of "
-                             f"pool {pool!r}, which belongs to "
-                             f"{self._pools[pool].owner_name(page)} (double free?)")
+                             f"pool {pool!r}, which {kv.owner!r} does not hold (now {now}): "
+                             "a double free or a foreign free")
         return pages
 
     # -- pins ---------------------------------------------------------------------------
