@@ -1,0 +1,110 @@
+"""Model configurations: the shape of a Llama-style decoder and its seeded weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.layout import KvLayout
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape, numerics and seed of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
+
+    Weights are never downloaded: they are drawn from ``seed`` (see ``common.model``), so
+    two processes with equal configs hold bit-identical weights.
+    """
+
+    name: str = "tiny"
+    """Label used in logs and the transfer handshake."""
+    vocab_size: int = 512
+    """Number of token ids; valid ids are [0, vocab_size)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks of the target model."""
+    num_heads: int = 4
+    """Query heads per block."""
+    num_kv_heads: int = 2
+    """Key/value heads per block (grouped-query attention); divides num_heads."""
+    head_dim: int = 32
+    """Elements per attention head; even (rotary embeddings rotate pairs)."""
+    intermediate_size: int = 384
+    """Width of the SwiGLU feed-forward layer."""
+    rope_theta: float = 10000.0
+    """Base of the rotary-embedding frequencies."""
+    rms_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    max_position: int = 4096
+    """Positions [0, max_position) are valid; longer rows are rejected."""
+    dtype: str = "float32"
+    """Weights, activations and KV: one of float16, bfloat16, float32, float64."""
+    seed: int = 0
+    """Seed of the weights."""
+    num_draft_layers: int = 1
+    """Blocks of the self-speculative draft model: the first num_draft_layers blocks of the
+    target plus its final norm and lm_head; 0 means no draft. In [0, num_layers)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {sorted(_DTYPES)}")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "intermediate_size", "max_position"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE)")
+        if not 0 <= self.num_draft_layers < self.num_layers:
+            raise ValueError(f"ModelConfig.num_draft_layers={self.num_draft_layers}; allowed: "
+                             f"0 (no draft) to num_layers-1={self.num_layers - 1}")
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ValueError(f"ModelConfig.rope_theta={self.rope_theta} and "
+                             f"rms_eps={self.rms_eps} must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def kv_layout(self, with_draft: bool = True) -> KvLayout:
+        """The KV pool layout this model reads and writes; draft layers follow the target's."""
+        return KvLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, dtype=self.dtype,
+                        num_draft_layers=self.num_draft_layers if with_draft else 0)
+
+    def with_overrides(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed (validated again), e.g. ``dtype="float64"``."""
+        return replace(self, **changes)
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # Serves on 2 CPU cores; the default everywhere.
+    "tiny": ModelConfig(),
+    # Still CPU-friendly, wide enough that batching shows in benchmarks.
+    "small": ModelConfig(name="small", vocab_size=4096, hidden_size=512, num_layers=8,
+                         num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
+                         num_draft_layers=2),
+    # GPU shapes of real models (Llama 3.2 1B / Llama 3 8B with a 32k vocabulary).
+    "llama-1b-shape": ModelConfig(name="llama-1b-shape", vocab_size=32000, hidden_size=2048,
+                                  num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                                  intermediate_size=8192, rope_theta=500000.0,
+                                  max_position=8192, dtype="bfloat16", num_draft_layers=4),
+    "llama-8b-shape": ModelConfig(name="llama-8b-shape", vocab_size=32000, hidden_size=4096,
+                                  num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                                  intermediate_size=14336, rope_theta=500000.0,
+                                  max_position=8192, dtype="bfloat16", num_draft_layers=4),
+}
+
+
+def get_config(name: str = "tiny", **overrides: object) -> ModelConfig:
+    """A built-in config by name, optionally with fields overridden."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; allowed: {sorted(CONFIGS)}")
+    return CONFIGS[name].with_overrides(**overrides) if overrides else CONFIGS[name]

@@ -1,0 +1,65 @@
+"""Single-process greedy generation: the correctness anchor (DESIGN.md section 7).
+
+Each request runs alone, prefilled in one shot and decoded one token per step through a
+real ``KvCache``, so any disaggregated run (chunked prefill, transfer, batching,
+speculation, offload) must reproduce these tokens exactly at float64 on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.kv_cache import KvCache
+from common.model import Model
+from common.model_runner import BatchItem, ModelRunner
+from common.ranges import ceil_div
+
+
+def generate_greedy(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                    page_size: int = 16, stop_token: int | None = None) -> list[list[int]]:
+    """Greedy outputs of each prompt, one request at a time.
+
+    Args:
+        model: the target model (the draft is not used: greedy output is the target's).
+        prompts: token-id lists, each non-empty.
+        max_new_tokens: tokens to generate per prompt (>= 0).
+        page_size: slots per page of the reference's pool.
+        stop_token: generation of a request ends after it emits this token; the stop
+            token is included in its output.
+
+    Returns:
+        One list of generated token ids per prompt (the prompt excluded).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
+    cache = KvCache(ceil_div(longest, page_size) + 1, page_size,
+                    layout=model.config.kv_layout(with_draft=False), device=model.device,
+                    max_rows=1, node="reference")
+    runner = ModelRunner(model, cache)
+    outputs = [_generate_one(runner, list(p), max_new_tokens, stop_token) for p in prompts]
+    cache.check_integrity()
+    cache.close()
+    return outputs
+
+
+def _generate_one(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
+                  stop_token: int | None) -> list[int]:
+    cache = runner.cache
+    kv = cache.open_row("ref")
+    out: list[int] = []
+    # Row positions: [0, len(prompt)) prompt | then one per generated token except the last,
+    # whose KV is never needed.
+    tokens, start = prompt, 0
+    while len(out) < max_new_tokens and (not out or out[-1] != stop_token):
+        cache.extend(kv, len(tokens))
+        logits = runner.forward([BatchItem(kv, tokens, start)])
+        cache.commit(kv, len(tokens))
+        start += len(tokens)
+        out.append(int(logits[0].argmax()))
+        tokens = out[-1:]
+    cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="finished")
+    cache.close_row(kv)
+    return out
