@@ -1,1 +1,16 @@
-"""pdkv transport."""
+"""pdkv transport: the wire protocol that moves KV pages from prefill to decode.
+
+Public surface: ``KvSender`` (prefill), ``KvReceiver`` (decode), ``TransportConfig``,
+``Event``/``EventKind`` (what ``poll`` returns), ``HandshakeError``, ``ProtocolError``.
+See docs/protocol.md.
+"""
+
+from transport.config import TransportConfig
+from transport.events import Event, EventKind
+from transport.handshake import HandshakeError
+from transport.messages import PROTOCOL_VERSION, ErrorCode, ProtocolError
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+
+__all__ = ["PROTOCOL_VERSION", "ErrorCode", "Event", "EventKind", "HandshakeError",
+           "KvReceiver", "KvSender", "ProtocolError", "TransportConfig"]

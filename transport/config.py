@@ -1,0 +1,45 @@
+"""Settings of one transport endpoint (prefill sender or decode receiver)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Deadlines, lease and identity of one endpoint. All times are seconds."""
+
+    node: str = "node"
+    """Name of this process, sent in the handshake and used in log lines."""
+    model: str = ""
+    """Model name; both ends must agree (empty on both is fine for tests)."""
+    tp_rank: int = 0
+    """This endpoint's tensor-parallel rank."""
+    tp_size: int = 1
+    """Tensor-parallel size of this endpoint's group."""
+    heartbeat_s: float = 1.0
+    """Interval between heartbeats to each peer."""
+    lease_s: float = 10.0
+    """A peer silent (no message at all) for this long is declared lost."""
+    handshake_timeout_s: float = 10.0
+    """Deadline for the peer's Hello answer when connecting."""
+    admission_timeout_s: float = 30.0
+    """Decode: Announce -> Accepted. Prefill: first decode rank's Announce -> all of them."""
+    chunk_timeout_s: float = 60.0
+    """Longest gap without progress (a chunk, Done, Ack) on a request in flight."""
+    done_timeout_s: float = 600.0
+    """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
+    max_frame_bytes: int = 8 << 20
+    """Prefill: coalesced page runs are cut into data frames of at most this many bytes."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        if not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError(f"need 0 < heartbeat_s={self.heartbeat_s} < lease_s={self.lease_s}")
+        for name in ("handshake_timeout_s", "admission_timeout_s", "chunk_timeout_s",
+                     "done_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes={self.max_frame_bytes} must be >= 1")

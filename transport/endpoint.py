@@ -1,0 +1,90 @@
+"""What the prefill sender and the decode receiver share: counters, errors, leases."""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+
+from .config import TransportConfig
+from .events import Event, EventKind, Peer
+from .messages import Error, ErrorCode, Heartbeat, Message, ProtocolError, encode
+
+logger = logging.getLogger(__name__)
+
+
+class Endpoint(ABC):
+    """Base of ``KvSender``/``KvReceiver``: poll-driven, single-threaded, not thread-safe.
+
+    Every wait is checked in ``poll``: call it at least once per heartbeat interval.
+    """
+
+    def __init__(self, config: TransportConfig):
+        self.config = config
+        self.stats: Counter[str] = Counter()
+        self.peers: dict[bytes, Peer] = {}
+        self._events: list[Event] = []
+
+    # -- hooks ---------------------------------------------------------------------------
+    @abstractmethod
+    def _send(self, key: bytes, msg: Message) -> bool:
+        """Send one control message; False when the peer is unreachable."""
+
+    @abstractmethod
+    def _on_peer_lost(self, peer: Peer, why: str) -> None:
+        """Fail everything held for ``peer``."""
+
+    # -- shared behaviour ------------------------------------------------------------------
+    def _emit(self, kind: EventKind, rid: str = "", **kw) -> None:
+        self._events.append(Event(kind, rid, **kw))
+        self.stats[f"events.{kind.name.lower()}"] += 1
+
+    def _take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def _protocol_error(self, key: bytes, exc: ProtocolError) -> None:
+        """Count ``exc``, answer it to the peer, keep serving everyone else."""
+        self.stats["errors"] += 1
+        self.stats[f"errors.{exc.code.value}"] += 1
+        logger.warning("%s: protocol error from %r: %s", self.config.node, key, exc)
+        self._send(key, Error(code=exc.code.value, detail=exc.detail, rid=exc.rid or ""))
+
+    def _touch(self, key: bytes) -> None:
+        peer = self.peers.get(key)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+
+    def _tick_peers(self, now: float) -> None:
+        for peer in list(self.peers.values()):
+            if peer.lost:
+                continue
+            if peer.expired(now):
+                self.stats["peers_lost"] += 1
+                self._lose(peer, f"silent for {now - peer.last_seen:.2f}s "
+                                 f"(lease {peer.hello.lease_ms} ms)")
+            elif now >= peer.next_heartbeat:
+                peer.heartbeat_seq += 1
+                peer.next_heartbeat = now + self.config.heartbeat_s
+                self.stats["heartbeats_sent"] += 1
+                if not self._send(peer.key, Heartbeat(seq=peer.heartbeat_seq)):
+                    self._lose(peer, "unreachable")
+
+    def _lose(self, peer: Peer, why: str) -> None:
+        if peer.lost:
+            return
+        peer.lost = True
+        logger.error("%s: peer %s lost: %s", self.config.node, peer.name, why)
+        self._on_peer_lost(peer, why)
+        self._emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)
+
+
+def encode_frames(msg: Message) -> list[bytes]:
+    return [encode(msg)]
+
+
+def unexpected_frames(msg: Message, frames: list) -> ProtocolError:
+    rid = getattr(msg, "rid", None)
+    return ProtocolError(ErrorCode.EXTRA_FRAMES, f"{type(msg).__name__} followed by "
+                         f"{len(frames) - 1} data frame(s)", rid)

@@ -1,0 +1,56 @@
+"""The handshake: both ends compare protocol version, model, KV layout and TP ranks.
+
+The connecting (decode) side sends its ``Hello``; the bound (prefill) side checks it and
+answers with its own ``Hello`` either way, so both sides run the same ``check`` and both
+fail with a message that names the differing field (LESSONS.md item 6).
+"""
+
+from __future__ import annotations
+
+from common.layout import KvLayout
+
+from .config import TransportConfig
+from .messages import PROTOCOL_VERSION, Hello
+
+# fields that must be equal on both ends of a transfer
+_MUST_MATCH = ("version", "model", "num_layers", "num_draft_layers", "total_kv_heads",
+               "head_dim", "dtype", "page_size")
+
+
+class HandshakeError(RuntimeError):
+    """The peer's version, model, KV layout or TP setup is incompatible with ours."""
+
+
+def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str) -> Hello:
+    """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only."""
+    return Hello(version=PROTOCOL_VERSION, node=config.node, role=role, model=config.model,
+                 num_layers=layout.num_layers, num_draft_layers=layout.num_draft_layers,
+                 total_kv_heads=layout.num_kv_heads * config.tp_size,
+                 head_dim=layout.head_dim, dtype=layout.dtype, page_size=page_size,
+                 tp_rank=config.tp_rank, tp_size=config.tp_size,
+                 lease_ms=int(config.lease_s * 1000))
+
+
+def check(mine: Hello, theirs: Hello) -> None:
+    """Raise ``HandshakeError`` naming the first field that makes the peer incompatible."""
+    for name in _MUST_MATCH:
+        a, b = getattr(mine, name), getattr(theirs, name)
+        if a != b:
+            raise HandshakeError(f"handshake mismatch on {name}: ours ({mine.node}) is {a!r}, "
+                                 f"peer {theirs.node} has {b!r}")
+    if mine.role == theirs.role or {mine.role, theirs.role} != {"prefill", "decode"}:
+        raise HandshakeError(f"handshake mismatch on role: ours is {mine.role!r}, peer "
+                             f"{theirs.node} is {theirs.role!r}; need prefill <-> decode")
+    _check_tp(theirs)
+
+
+def _check_tp(peer: Hello) -> None:
+    if peer.tp_size < 1 or not 0 <= peer.tp_rank < peer.tp_size:
+        raise HandshakeError(f"handshake mismatch on tp_rank: peer {peer.node} has "
+                             f"tp_rank={peer.tp_rank}, tp_size={peer.tp_size}")
+    if peer.total_kv_heads % peer.tp_size:
+        raise HandshakeError(f"handshake mismatch on tp_size: peer {peer.node} splits "
+                             f"{peer.total_kv_heads} KV heads over tp_size={peer.tp_size}")
+    if peer.lease_ms < 1:
+        raise HandshakeError(f"handshake mismatch on lease_ms: peer {peer.node} has "
+                             f"{peer.lease_ms}")

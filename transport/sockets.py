@@ -1,0 +1,90 @@
+"""One small class per ZMQ socket role. Every socket closes with ``linger=0``.
+
+The prefill side binds a ROUTER (many decode ranks connect); each decode rank connects
+one DEALER per prefill rank. Control messages and KV data frames share the connection,
+so ZMQ's per-connection ordering guarantees that every chunk of a request arrives before
+its ``Done`` and before an ``AbortAck``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    # payloads are zero-copy references to pinned pages, so an unbounded queue costs no
+    # memory; a bounded one would make send block or drop inside a worker's loop
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+class RouterSocket:
+    """Prefill side: binds ``address`` (``tcp://host:port``, ``tcp://host:*``, ``ipc://path``).
+
+    Args:
+        ctx: the ZMQ context; the caller owns it.
+        address: where to bind; ``address_bound`` is the resolved endpoint.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = ctx.socket(zmq.ROUTER)
+        _configure(self.sock)
+        # unroutable sends raise instead of being dropped silently: a vanished peer shows
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.bind(address)
+        self.address_bound: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(self, peer: bytes, frames: list, track: bool = False) -> zmq.MessageTracker | None:
+        """Send ``frames`` to ``peer`` without copying; returns a tracker when ``track``.
+
+        Raises:
+            zmq.ZMQError: EHOSTUNREACH when the peer is not connected.
+        """
+        return self.sock.send_multipart([peer, *frames], copy=False, track=track)
+
+    def recv(self, timeout_ms: int) -> tuple[bytes, list[zmq.Frame]] | None:
+        """``(peer, frames)`` of the next message, or ``None`` when none came in time."""
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        return frames[0].bytes, frames[1:]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class DealerSocket:
+    """Decode side: one connection to one prefill rank's ``RouterSocket``.
+
+    Args:
+        ctx: the ZMQ context; the caller owns it.
+        address: the prefill rank's bound address.
+        identity: prefix of the routing id (a random suffix keeps reconnects distinct).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, identity: str):
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        _configure(self.sock)
+        self.identity = f"{identity}/{uuid.uuid4().hex[:8]}".encode()
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        self.sock.connect(address)
+
+    def send(self, frames: list, track: bool = False) -> zmq.MessageTracker | None:
+        return self.sock.send_multipart(frames, copy=False, track=track)
+
+    def recv_nowait(self) -> list[zmq.Frame] | None:
+        """The next message's frames, or ``None`` when nothing is queued."""
+        try:
+            return self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
