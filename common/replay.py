@@ -1,0 +1,932 @@
+"""``pdkv replay``: verify free logs offline (DESIGN.md section 4, docs/freelog.md).
+
+Replay rebuilds every pool page by page from the recorded events and reports each
+violation with the event's seq, the page, the owner and the last event that touched the
+page. Memory is bounded by the pool sizes: one int64 state word, one pin count and one
+"last touch" word per page, the live pins, and an owner table that is compacted when it
+outgrows the pools.
+
+Page states, packed with the owner id into one int64 per page (``owner_id << 2 | state``)
+so that "does this owner hold this page" is a single comparison:
+
+    FREE      on the free list (the owner id is the last owner, for messages)
+    OWNED     held by its owner
+    PENDING   freed by its owner while pinned; free again at the last unpin (+ release)
+    RESERVED  never allocated (page 0, and the header's reserved list)
+
+Speed: the hot loop keeps numpy out of small events (a numpy call costs about a
+microsecond, a page in a Python loop about a tenth of that) and reads the state arrays
+through memoryviews. Any page that fails a check sends the event to a slow path that
+diagnoses every page; the slow path is never on the way of a clean log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.freelog_reader import DECODE_ERRORS, FreeLogReader, PoolInfo, UnreadableLog
+
+FREE, OWNED, PENDING, RESERVED = 0, 1, 2, 3
+_STATE_NAMES = ("free", "owned", "pending", "reserved")
+_OPS = ("", "alloc", "free", "pin", "unpin", "release", "handoff")
+OP_ALLOC, OP_FREE, OP_PIN, OP_UNPIN, OP_RELEASE, OP_HANDOFF = range(1, 7)
+NO_OWNER = -1
+
+# Events with more pages than this go through numpy; below, a Python loop is faster
+# (measured by benchmarks/replay.py on a 2-core machine).
+SMALL_EVENT = 256
+# Pages are decoded as unsigned so that a negative id indexes past the end and raises
+# IndexError like any other out-of-range id; the hot loop then needs no range check.
+_UNPACK = tuple(struct.Struct(f"<{n}I").unpack for n in range(SMALL_EVENT + 1))
+CHECK_EVERY = 1 << 16  # events between checkpoints (progress, owner-table compaction)
+MAX_SAMPLES = 2048  # occupancy samples kept for --plot (halved by max when full)
+MAX_STORED_VIOLATIONS = 1000
+
+
+@dataclass
+class Violation:
+    """One broken rule, tied to the event (``seq``) where replay saw it."""
+
+    seq: int
+    kind: str
+    pool: str
+    message: str
+    page: int | None = None
+    owner: str | None = None
+    num_pages: int = 0
+    pages: list[int] = field(default_factory=list)  # the first few offending pages
+    last: dict[str, Any] | None = None  # last event that touched ``page``: seq, op, owner
+
+    def format(self) -> str:
+        where = f"seq {self.seq}" if self.seq >= 0 else "end of log"
+        text = f"{where}: {self.kind}: {self.message}"
+        if self.last is not None:
+            text += (f" [page {self.page} last touched by seq {self.last['seq']} "
+                     f"{self.last['op']} (owner {self.last['owner']})]")
+        elif self.page is not None and self.kind not in ("page-out-of-range",):
+            text += f" [page {self.page} never touched before]"
+        return text
+
+
+@dataclass
+class ReplayReport:
+    """The outcome of replaying one free log; ``ok`` when there is no violation."""
+
+    path: str
+    node: str = ""
+    events: int = 0
+    closed: bool = False
+    close_seq: int | None = None
+    retained: list[str] = field(default_factory=list)
+    pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)  # the first MAX_STORED
+    num_violations: int = 0
+    violations_by_kind: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, Any] | None = None  # t_s and in-use pages per pool, for --plot
+    error: str | None = None  # set when the log was unreadable
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.num_violations == 0
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.error is not None else (0 if self.ok else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"log": self.path, "ok": self.ok, "exit_code": self.exit_code}
+        if self.error is not None:
+            return {**d, "error": self.error}
+        return {**d, "node": self.node, "events": self.events, "closed": self.closed,
+                "close_seq": self.close_seq, "retained": self.retained,
+                "pools": self.pools, "warnings": self.warnings,
+                "num_violations": self.num_violations,
+                "violations_by_kind": self.violations_by_kind,
+                "violations_truncated": self.num_violations > len(self.violations),
+                "violations": [v.__dict__ for v in self.violations],
+                "seconds": round(self.seconds, 3)}
+
+    def format(self, max_violations: int = 50) -> str:
+        """The human-readable summary that ``pdkv replay`` prints."""
+        return _format_report(self, max_violations)
+
+
+class _Pool:
+    """The replayed state of one pool: arrays indexed by page id, and its counters."""
+
+    def __init__(self, info: PoolInfo):
+        n = info.num_pages
+        self.info = info
+        self.own = np.full(n, NO_OWNER << 2 | FREE, dtype=np.int64)
+        self.own[0] = NO_OWNER << 2 | RESERVED  # page 0 is padding, never allocated
+        self.own[list(info.reserved)] = NO_OWNER << 2 | RESERVED
+        self.pins = np.zeros(n, dtype=np.int32)
+        self.last = np.zeros(n, dtype=np.int64)  # seq << 3 | op code; 0: never touched
+        self.own_mv, self.pins_mv = memoryview(self.own), memoryview(self.pins)
+        self.last_mv = memoryview(self.last)
+        self.capacity = int(np.count_nonzero(self.own & 3 != RESERVED))
+        self.live: dict[Any, tuple] = {}  # pin id -> (raw pages, pages, seq, reason)
+        self.in_use = self.peak = self.peak_seq = 0
+        self.pages_allocated = self.pages_freed = self.pages_released = 0
+        self.pages_handed_off = 0
+        self.counts = dict.fromkeys(_OPS[1:], 0)
+        self.freed_by_reason: dict[str, list[int]] = {}  # reason -> [events, pages]
+        self.pins_by_reason: dict[str, int] = {}
+
+    def stats(self) -> dict[str, Any]:
+        info = self.info
+        return {"num_pages": info.num_pages, "page_size": info.page_size,
+                "reserved": len(info.reserved), "capacity": self.capacity,
+                "events": dict(self.counts),
+                "pages_allocated": self.pages_allocated, "pages_freed": self.pages_freed,
+                "pages_released": self.pages_released,
+                "pages_handed_off": self.pages_handed_off,
+                "peak_in_use": self.peak, "peak_seq": self.peak_seq,
+                "in_use_at_end": self.in_use, "live_pins_at_end": len(self.live),
+                "frees_by_reason": {r: {"events": e, "pages": p}
+                                    for r, (e, p) in sorted(self.freed_by_reason.items())},
+                "pins_by_reason": dict(sorted(self.pins_by_reason.items()))}
+
+
+def _signed(pages) -> list[int]:
+    """Page ids as the writer meant them (the fast path decodes them unsigned)."""
+    if isinstance(pages, np.ndarray):
+        return pages.view("<i4").tolist()
+    return [p - (1 << 32) if p >= 1 << 31 else p for p in pages]
+
+
+class Replayer:
+    """Replays one free log. Use :func:`replay_file` unless you stream records yourself."""
+
+    def __init__(self, reader: FreeLogReader, *, samples: bool = False,
+                 progress: _Progress | None = None,
+                 max_violations: int = MAX_STORED_VIOLATIONS):
+        self.reader = reader
+        self.report = ReplayReport(path=reader.path, node=reader.header.node)
+        self.pools = {name: _Pool(info) for name, info in reader.header.pools.items()}
+        self._owner_ids: dict[Any, int] = {}
+        self._owner_names: list[Any] = []
+        self._expect: tuple[_Pool, list[int], int] | None = None  # release due after unpin
+        self._closed = False
+        self._max_violations = max_violations
+        self._progress = progress
+        self._samples: dict[str, list] | None = (
+            {"t_s": [], **{name: [] for name in self.pools}} if samples else None)
+        self._stride = 1 if samples else CHECK_EVERY
+        self._next_heavy = CHECK_EVERY
+        self._checkpoint_offset = reader.offset()
+        self._handlers = {"alloc": self._alloc, "free": self._free, "pin": self._pin,
+                          "unpin": self._unpin, "release": self._release,
+                          "handoff": self._handoff}
+
+    # -- the hot loop ---------------------------------------------------------------------
+    def run(self) -> ReplayReport:
+        """Replay every record and judge the end of the log."""
+        t0 = time.perf_counter()
+        corrupt = None
+        try:
+            self._loop()
+        except DECODE_ERRORS as exc:
+            corrupt = f"{type(exc).__name__}: {exc}"
+        self._finish(corrupt)
+        self.report.seconds = time.perf_counter() - t0
+        return self.report
+
+    def _loop(self) -> int:
+        pools, handlers, unpack, small = self.pools, self._handlers, _UNPACK, SMALL_EVENT
+        frombuffer = np.frombuffer
+        seq_next = count = 0
+        check_at = self._stride
+        try:
+            for ev in self.reader.records:
+                count += 1
+                try:
+                    seq, op, raw, ps = ev["seq"], ev["op"], ev["pages"], pools[ev["pool"]]
+                    handler = handlers[op]
+                    n = len(raw) >> 2
+                    if type(raw) is not bytes or len(raw) & 3 or type(seq) is not int:
+                        raise TypeError
+                except (KeyError, TypeError):
+                    # close, unknown op or pool, malformed: all rare, all judged slowly.
+                    seq_next = self._odd_event(ev, seq_next)
+                    if self._closed:
+                        count += self._after_close()
+                        break
+                    continue
+                if seq != seq_next:
+                    self._seq_gap(seq, seq_next)
+                seq_next = seq + 1
+                if self._expect is not None and op != "release":
+                    self._missing_release(seq)
+                pages = unpack[n](raw) if n <= small else frombuffer(raw, "<u4")
+                try:
+                    handler(ps, pages, ev, seq)
+                except (KeyError, TypeError) as exc:
+                    self._violate(seq, "malformed-event", ev.get("pool", ""),
+                                  f"{op} event lacks or mistypes a key ({exc!r})")
+                if count >= check_at:
+                    check_at = count + self._checkpoint(count, ev)
+        finally:
+            self.report.events = count
+        return count
+
+    # -- events on the fast path; each falls back to a slow twin on any bad page ----------
+    def _alloc(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        owner = ev["owner"]
+        oid = self._owner_ids.get(owner)
+        if oid is None:
+            oid = self._intern(owner)
+        new, tag = oid << 2 | OWNED, seq << 3 | OP_ALLOC
+        if type(pages) is tuple:
+            own, last = ps.own_mv, ps.last_mv
+            try:
+                for p in pages:
+                    if own[p] & 3:  # not FREE
+                        break
+                    own[p] = new
+                    last[p] = tag
+                else:
+                    return self._count_alloc(ps, len(pages), seq)
+            except IndexError:
+                pass
+        elif self._alloc_np(ps, pages, new, tag):
+            return self._count_alloc(ps, len(pages), seq)
+        self._alloc_slow(ps, pages, owner, oid, seq)
+
+    @staticmethod
+    def _alloc_np(ps: _Pool, pages: np.ndarray, new: int, tag: int) -> bool:
+        try:
+            if (ps.own[pages] & 3).any() or _has_duplicates(pages):
+                return False
+        except IndexError:
+            return False
+        ps.own[pages] = new
+        ps.last[pages] = tag
+        return True
+
+    @staticmethod
+    def _count_alloc(ps: _Pool, n: int, seq: int) -> None:
+        ps.counts["alloc"] += 1
+        ps.pages_allocated += n
+        ps.in_use += n
+        if ps.in_use > ps.peak:
+            ps.peak, ps.peak_seq = ps.in_use, seq
+
+    def _free(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        owner, reason = ev["owner"], ev["reason"]
+        oid = self._owner_ids.get(owner)
+        if oid is None:
+            oid = self._intern(owner)
+        held, tag = oid << 2 | OWNED, seq << 3 | OP_FREE
+        pending = 0
+        if type(pages) is tuple:
+            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
+            try:
+                for p in pages:
+                    if own[p] != held:
+                        break
+                    if pins[p]:  # freed while pinned: free at the last unpin
+                        own[p] = held + (PENDING - OWNED)
+                        pending += 1
+                    else:
+                        own[p] = held - OWNED
+                    last[p] = tag
+                else:
+                    return self._count_free(ps, len(pages), pending, reason)
+            except IndexError:
+                pass
+        else:
+            pending = self._free_np(ps, pages, held, tag)
+            if pending >= 0:
+                return self._count_free(ps, len(pages), pending, reason)
+        self._free_slow(ps, pages, owner, oid, reason, seq)
+
+    @staticmethod
+    def _free_np(ps: _Pool, pages: np.ndarray, held: int, tag: int) -> int:
+        try:
+            if (ps.own[pages] != held).any() or _has_duplicates(pages):
+                return -1
+        except IndexError:
+            return -1
+        pinned = ps.pins[pages] != 0
+        ps.own[pages] = np.where(pinned, held + (PENDING - OWNED), held - OWNED)
+        ps.last[pages] = tag
+        return int(np.count_nonzero(pinned))
+
+    @staticmethod
+    def _count_free(ps: _Pool, n: int, pending: int, reason: str) -> None:
+        ps.counts["free"] += 1
+        ps.pages_freed += n
+        ps.in_use -= n - pending
+        by_reason = ps.freed_by_reason.get(reason)
+        if by_reason is None:
+            by_reason = ps.freed_by_reason[reason] = [0, 0]
+        by_reason[0] += 1
+        by_reason[1] += n
+
+
+    def _pin(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        pin_id, reason = ev["pin"], ev["reason"]
+        ps.counts["pin"] += 1
+        ps.pins_by_reason[reason] = ps.pins_by_reason.get(reason, 0) + 1
+        if pin_id in ps.live:
+            old_seq = ps.live[pin_id][2]
+            return self._violate(seq, "duplicate-pin", ps.info.name,
+                                 f"pin id {pin_id} is already live (pinned at seq {old_seq});"
+                                 " this pin is ignored")
+        tag = seq << 3 | OP_PIN
+        if type(pages) is tuple:
+            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
+            try:
+                for p in pages:
+                    if not 0 < own[p] & 3 < RESERVED:  # neither OWNED nor PENDING
+                        break
+                    pins[p] += 1
+                    last[p] = tag
+                else:
+                    ps.live[pin_id] = (ev["pages"], pages, seq, reason)
+                    return None
+            except IndexError:
+                pass
+        else:
+            try:
+                states = ps.own[pages] & 3
+                if ((states == OWNED) | (states == PENDING)).all():
+                    np.add.at(ps.pins, pages, 1)  # a page may appear twice
+                    ps.last[pages] = tag
+                    ps.live[pin_id] = (ev["pages"], pages, seq, reason)
+                    return None
+            except IndexError:
+                pass
+        applied = self._pin_slow(ps, pages, pin_id, seq)
+        ps.live[pin_id] = (ev["pages"], applied, seq, reason)
+
+    def _unpin(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        pin_id = ev["pin"]
+        ps.counts["unpin"] += 1
+        entry = ps.live.pop(pin_id, None)
+        if entry is None:
+            return self._unknown_unpin(ps, pages, pin_id, seq)
+        raw, pinned, _, _ = entry
+        if raw != ev["pages"]:
+            self._violate(seq, "unpin-pages-mismatch", ps.info.name,
+                          f"unpin of pin {pin_id} lists pages {_short(_signed(pages))}, "
+                          f"the pin listed {_short(_signed(pinned))}; the pin's pages count")
+        tag = seq << 3 | OP_UNPIN
+        drop = []  # pages whose last pin this is and whose owner freed them meanwhile
+        if type(pinned) is tuple:
+            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
+            for p in pinned:
+                c = pins[p] - 1
+                pins[p] = c
+                last[p] = tag
+                if not c and own[p] & 3 == PENDING:
+                    drop.append(p)
+        else:
+            np.subtract.at(ps.pins, pinned, 1)
+            ps.last[pinned] = tag
+            cand = pinned[ps.pins[pinned] == 0]
+            drop = np.unique(cand[(ps.own[cand] & 3) == PENDING]).tolist()
+        if drop:
+            self._expect = (ps, drop, seq)
+
+    def _release(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        ps.counts["release"] += 1
+        expect, self._expect = self._expect, None
+        listed = _signed(pages)
+        if expect is None or expect[0] is not ps:
+            return self._violate(seq, "unexpected-release", ps.info.name,
+                                 f"release of pages {_short(listed)} that no unpin just "
+                                 "dropped; ignored", page=listed[0] if listed else None)
+        _, drop, unpin_seq = expect
+        if sorted(listed) != sorted(drop):
+            missing, extra = sorted(set(drop) - set(listed)), sorted(set(listed) - set(drop))
+            self._violate(seq, "release-mismatch", ps.info.name,
+                          f"release after the unpin at seq {unpin_seq} must list exactly "
+                          f"the pending pages {_short(sorted(drop))}; missing "
+                          f"{_short(missing)}, extra {_short(extra)}",
+                          page=(missing or extra)[0])
+        self._free_pending(ps, drop, seq)
+
+    def _free_pending(self, ps: _Pool, drop: list[int], seq: int) -> None:
+        """Pages whose last pin dropped are free, whatever the release event says."""
+        own, last, tag = ps.own_mv, ps.last_mv, seq << 3 | OP_RELEASE
+        for p in drop:
+            own[p] = own[p] - PENDING  # keeps the owner id, for messages
+            last[p] = tag
+        ps.in_use -= len(drop)
+        ps.pages_released += len(drop)
+
+    def _handoff(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+        owner, to = ev["owner"], ev["to"]
+        oid, tid = self._owner_id(owner), self._owner_id(to)
+        held, new, tag = oid << 2 | OWNED, tid << 2 | OWNED, seq << 3 | OP_HANDOFF
+        ps.counts["handoff"] += 1
+        ps.pages_handed_off += len(pages)
+        listed = _signed(pages)
+        bad = [p for p in listed if not 0 <= p < ps.info.num_pages
+               or ps.own_mv[p] != held]
+        if bad or len(set(listed)) != len(listed):
+            kinds = [self._why_not_held(ps, p, oid) for p in bad] or ["duplicate-page"]
+            self._violate(seq, "handoff-not-held", ps.info.name,
+                          f"{owner} hands off pages {_short(bad or listed)} to {to} but "
+                          f"does not hold them ({kinds[0]}); those pages stay put",
+                          page=(bad or listed)[0], owner=str(owner), num_pages=len(bad))
+        for p in listed:
+            if p not in bad:
+                ps.own_mv[p] = new
+                ps.last_mv[p] = tag
+
+    # -- slow paths: diagnose every page of an event that failed the fast checks ----------
+    def _alloc_slow(self, ps: _Pool, pages, owner: Any, oid: int, seq: int) -> None:
+        new, tag = oid << 2 | OWNED, seq << 3 | OP_ALLOC
+        bad: dict[str, list[int]] = {}
+        seen: set[int] = set()
+        good = 0
+        for p in _signed(pages):
+            if not 0 <= p < ps.info.num_pages:
+                bad.setdefault("page-out-of-range", []).append(p)
+            elif p in seen:
+                bad.setdefault("double-alloc", []).append(p)
+            elif ps.own_mv[p] == new and ps.last_mv[p] == tag:
+                good += 1  # applied by the fast path before it stopped
+            elif ps.own_mv[p] & 3 == FREE:
+                ps.own_mv[p], ps.last_mv[p] = new, tag
+                good += 1
+            else:
+                bad.setdefault(_ALLOC_KIND[ps.own_mv[p] & 3], []).append(p)
+            seen.add(p)
+        for kind, ps_pages in bad.items():
+            self._violate(seq, kind, ps.info.name,
+                          f"alloc to {owner} of {len(ps_pages)} page(s) that are not free "
+                          f"{self._describe(ps, ps_pages, seen_twice=kind == 'double-alloc')}"
+                          "; not applied", page=ps_pages[0], owner=str(owner),
+                          pages=ps_pages)
+        self._count_alloc(ps, good, seq)
+
+    def _free_slow(self, ps: _Pool, pages, owner: Any, oid: int, reason: str,
+                   seq: int) -> None:
+        held, tag = oid << 2 | OWNED, seq << 3 | OP_FREE
+        bad: dict[str, list[int]] = {}
+        seen: set[int] = set()
+        good = pending = 0
+        for p in _signed(pages):
+            if not 0 <= p < ps.info.num_pages:
+                bad.setdefault("page-out-of-range", []).append(p)
+                continue
+            v = ps.own_mv[p]
+            if p in seen:
+                bad.setdefault("double-free", []).append(p)
+            elif ps.last_mv[p] == tag and v >> 2 == oid and v & 3 in (FREE, PENDING):
+                good += 1  # applied by the fast path before it stopped
+                pending += v & 3 == PENDING
+            elif v == held:
+                pinned = ps.pins_mv[p] > 0
+                ps.own_mv[p], ps.last_mv[p] = (held + 1 if pinned else held - 1), tag
+                good += 1
+                pending += pinned
+            else:
+                bad.setdefault(self._why_not_held(ps, p, oid), []).append(p)
+            seen.add(p)
+        for kind, bad_pages in bad.items():
+            self._violate(seq, kind, ps.info.name,
+                          f"free by {owner} (reason {reason}) of {len(bad_pages)} page(s) "
+                          f"it does not hold "
+                          f"{self._describe(ps, bad_pages)}; "
+                          "not applied", page=bad_pages[0], owner=str(owner),
+                          pages=bad_pages)
+        self._count_free(ps, good, pending, reason)
+
+    def _pin_slow(self, ps: _Pool, pages, pin_id: Any, seq: int) -> tuple[int, ...]:
+        """Pins the pages that are owned or pending; returns them (the pin's pages)."""
+        tag = seq << 3 | OP_PIN
+        listed, applied, bad = _signed(pages), [], []
+        # The fast loop (not the numpy one) pinned the pages before the first bad one.
+        prefix_done = not isinstance(pages, np.ndarray)
+        for p in listed:
+            ok = 0 <= p < ps.info.num_pages and ps.own_mv[p] & 3 in (OWNED, PENDING)
+            if ok and prefix_done:
+                applied.append(p)
+                continue
+            prefix_done = False
+            if ok:
+                ps.pins_mv[p] += 1
+                ps.last_mv[p] = tag
+                applied.append(p)
+            else:
+                bad.append(p)
+        if bad:
+            self._violate(seq, "pin-free-page", ps.info.name,
+                          f"pin {pin_id} of {len(bad)} page(s) that nobody holds "
+                          f"{self._describe(ps, bad)}; those pages are not pinned",
+                          page=bad[0], pages=bad)
+        return tuple(applied)
+
+    def _unknown_unpin(self, ps: _Pool, pages, pin_id: Any, seq: int) -> None:
+        listed = _signed(pages)
+        self._violate(seq, "unknown-unpin", ps.info.name,
+                      f"unpin of pin {pin_id}, which is not live (never pinned or already "
+                      f"unpinned); pages {_short(listed)}",
+                      page=listed[0] if listed and 0 <= listed[0] < ps.info.num_pages
+                      else None)
+
+    def _why_not_held(self, ps: _Pool, p: int, oid: int) -> str:
+        if not 0 <= p < ps.info.num_pages:
+            return "page-out-of-range"
+        v = ps.own_mv[p]
+        state = v & 3
+        if state == RESERVED:
+            return "free-reserved"
+        if state == OWNED:
+            return "foreign-free"
+        return "double-free"  # free, or pending (freed earlier while pinned)
+
+    def _describe(self, ps: _Pool, pages: list[int], seen_twice: bool = False) -> str:
+        """``[5 (owned by req-1), 6 (free), ...]`` for the first few pages."""
+        parts = []
+        for p in pages[:4]:
+            if not 0 <= p < ps.info.num_pages:
+                parts.append(f"{p} (outside 0..{ps.info.num_pages - 1})")
+                continue
+            v = ps.own_mv[p]
+            state, who = v & 3, self._owner_name(v >> 2)
+            text = {FREE: "free", OWNED: f"owned by {who}", RESERVED: "reserved",
+                    PENDING: f"freed by {who} while pinned, still pending"}[state]
+            if ps.pins_mv[p] and state != PENDING:
+                text += f", pinned x{ps.pins_mv[p]}"
+            parts.append(f"{p} ({text})")
+        more = f", +{len(pages) - 4} more" if len(pages) > 4 else ""
+        dup = " (listed twice in the event)" if seen_twice else ""
+        return f"[{', '.join(parts)}{more}]{dup}"
+
+    # -- owners ----------------------------------------------------------------------------
+    def _owner_id(self, owner: Any) -> int:
+        oid = self._owner_ids.get(owner)
+        return self._intern(owner) if oid is None else oid
+
+    def _intern(self, owner: Any) -> int:
+        if not isinstance(owner, str):
+            raise TypeError(f"owner {owner!r} is not a string")
+        oid = self._owner_ids[owner] = len(self._owner_names)
+        self._owner_names.append(owner)
+        return oid
+
+    def _owner_name(self, oid: int) -> str:
+        return self._owner_names[oid] if 0 <= oid < len(self._owner_names) else "nobody"
+
+    def _compact_owners(self) -> None:
+        """Forget owners that no page mentions, so memory follows the pools, not the log."""
+        used = np.unique(np.concatenate([ps.own >> 2 for ps in self.pools.values()]))
+        used = used[used >= 0]
+        remap = np.full(len(self._owner_names) + 1, NO_OWNER, dtype=np.int64)
+        remap[used + 1] = np.arange(len(used))  # index + 1 so that NO_OWNER maps to itself
+        for ps in self.pools.values():
+            ps.own[:] = remap[(ps.own >> 2) + 1] << 2 | (ps.own & 3)
+        self._owner_names = [self._owner_names[i] for i in used.tolist()]
+        self._owner_ids = {name: i for i, name in enumerate(self._owner_names)}
+
+    # -- violations --------------------------------------------------------------------------
+    def _violate(self, seq: int, kind: str, pool: str, message: str, *,
+                 page: int | None = None, owner: str | None = None, num_pages: int = 0,
+                 pages: list[int] | None = None) -> None:
+        report = self.report
+        report.num_violations += 1
+        report.violations_by_kind[kind] = report.violations_by_kind.get(kind, 0) + 1
+        if len(report.violations) >= self._max_violations:
+            return
+        pages = pages or ([] if page is None else [page])
+        report.violations.append(Violation(
+            seq=seq, kind=kind, pool=pool, message=message, page=page, owner=owner,
+            num_pages=num_pages or len(pages), pages=pages[:8],
+            last=self._last_touch(pool, page)))
+
+    def _last_touch(self, pool: str, page: int | None) -> dict[str, Any] | None:
+        ps = self.pools.get(pool)
+        if ps is None or page is None or not 0 <= page < ps.info.num_pages:
+            return None
+        tag = ps.last_mv[page]
+        if tag == 0:
+            return None
+        return {"seq": tag >> 3, "op": _OPS[tag & 7],
+                "owner": self._owner_name(ps.own_mv[page] >> 2)}
+
+    def _seq_gap(self, seq: int, expected: int) -> None:
+        what = "seq does not start at 0" if expected == 0 else "seq gap"
+        self._violate(seq, "seq-gap", "", f"{what}: expected {expected}, got {seq} "
+                      "(events lost or reordered)")
+
+    def _missing_release(self, seq: int) -> None:
+        ps, drop, unpin_seq = self._expect
+        self._expect = None
+        self._violate(seq, "missing-release", ps.info.name,
+                      f"the unpin at seq {unpin_seq} dropped the last pin of pending pages "
+                      f"{_short(sorted(drop))} but no release follows it",
+                      page=drop[0], pages=sorted(drop))
+        self._free_pending(ps, drop, unpin_seq)
+
+    # -- rare events: close, unknown op or pool, malformed ---------------------------------
+    def _odd_event(self, ev: Any, seq_next: int) -> int:
+        """Judges an event that the hot loop could not take; returns the next seq due."""
+        if not isinstance(ev, dict) or type(ev.get("seq")) is not int:
+            self._violate(seq_next, "malformed-event", "",
+                          f"record #{seq_next + 1} is not an event map with an int seq: "
+                          f"{_short_repr(ev)}")
+            return seq_next + 1
+        seq, op, pool = ev["seq"], ev.get("op"), ev.get("pool")
+        if seq != seq_next:
+            self._seq_gap(seq, seq_next)
+        if self._expect is not None and op != "release":
+            self._missing_release(seq)
+        if op == "close":
+            self._close(ev, seq)
+        elif op not in self._handlers:
+            self._violate(seq, "unknown-op", str(pool), f"unknown op {op!r}; event ignored")
+        elif pool not in self.pools:
+            self._violate(seq, "unknown-pool", str(pool),
+                          f"{op} names pool {pool!r}, not in the header "
+                          f"({', '.join(self.pools)}); event ignored")
+        else:
+            self._violate(seq, "malformed-event", str(pool),
+                          f"{op} event with a missing or mistyped key: {_short_repr(ev)}")
+        return seq + 1
+
+    def _after_close(self) -> int:
+        count = 0
+        for ev in self.reader.records:
+            count += 1
+            seq = ev.get("seq") if isinstance(ev, dict) else None
+            op = ev.get("op") if isinstance(ev, dict) else None
+            self._violate(seq if type(seq) is int else -1, "event-after-close", "",
+                          f"{op} event after the close at seq {self.report.close_seq}")
+        return count
+
+    def _close(self, ev: dict, seq: int) -> None:
+        retained = ev.get("retained", [])
+        if not isinstance(retained, list):
+            retained = []
+        self._closed = True
+        self.report.closed, self.report.close_seq = True, seq
+        self.report.retained = [str(r) for r in retained]
+        keep = [self._owner_ids[r] for r in retained if r in self._owner_ids]
+        for ps in self.pools.values():
+            self._judge_leaks(ps, seq, np.asarray(keep, dtype=np.int64))
+            for pin_id, (_, pages, pin_seq, reason) in ps.live.items():
+                listed = _signed(pages)
+                self._violate(seq, "pinned-at-close", ps.info.name,
+                              f"pin {pin_id} ({reason}, seq {pin_seq}) of {len(listed)} "
+                              f"page(s) {_short(listed)} is still live at close",
+                              page=listed[0] if listed else None, pages=listed)
+
+    def _judge_leaks(self, ps: _Pool, seq: int, keep: np.ndarray) -> None:
+        owned = np.flatnonzero((ps.own & 3) == OWNED)
+        owners = ps.own[owned] >> 2
+        leaked = ~np.isin(owners, keep)
+        ids, counts = np.unique(owners[leaked], return_counts=True)
+        for oid, count in zip(ids.tolist(), counts.tolist()):
+            pages = owned[leaked][owners[leaked] == oid].tolist()
+            name = self._owner_name(oid)
+            self._violate(seq, "leak", ps.info.name,
+                          f"{name} still holds {count} page(s) {_short(pages)} at close "
+                          "and is not a retained owner", page=pages[0], owner=name,
+                          num_pages=count, pages=pages)
+
+    # -- checkpoints and the end of the log --------------------------------------------------
+    def _checkpoint(self, count: int, ev: dict) -> int:
+        """Runs every few events; returns how many events until the next one."""
+        if count >= self._next_heavy:
+            self._next_heavy = count + CHECK_EVERY
+            self._checkpoint_offset = self.reader.offset()
+            if self._progress is not None:
+                self._progress.update(self._checkpoint_offset, count)
+            if len(self._owner_names) > 4 * sum(p.capacity for p in self.pools.values()):
+                self._compact_owners()
+        if self._samples is not None:
+            self._sample(ev.get("t_ns", count))
+        return self._stride
+
+    def _sample(self, t_ns: Any) -> None:
+        s = self._samples
+        s["t_s"].append(t_ns / 1e9 if isinstance(t_ns, int) else 0.0)
+        for name, ps in self.pools.items():
+            s[name].append(ps.in_use)
+        if len(s["t_s"]) >= MAX_SAMPLES:
+            # Halve: keep each pair's later time and its larger occupancy.
+            s["t_s"] = s["t_s"][1::2]
+            for name in self.pools:
+                col = s[name]
+                s[name] = [max(a, b) for a, b in zip(col[::2], col[1::2])]
+            self._stride *= 2
+
+    def _finish(self, corrupt: str | None) -> None:
+        report = self.report
+        if self._expect is not None:
+            self._missing_release(-1)
+        if corrupt is None:
+            end, corrupt = self.reader.scan_tail(self._checkpoint_offset)
+            torn = self.reader.size - end
+            if corrupt is None and torn > 0:
+                report.warnings.append(
+                    f"torn last record: {torn} byte(s) after offset {end} ignored "
+                    "(the writer stopped mid-record, e.g. a crash)")
+        else:
+            end, _ = self.reader.scan_tail(self._checkpoint_offset)
+        if corrupt is not None:
+            self._violate(-1, "corrupt-data", "",
+                          f"undecodable bytes after offset {end} ({corrupt}); "
+                          "the rest of the log was not read")
+        if not self._closed:
+            held = sum(ps.in_use for ps in self.pools.values())
+            pins = sum(len(ps.live) for ps in self.pools.values())
+            report.warnings.append(
+                f"no close event: the process did not shut down cleanly (killed?); "
+                f"{held} page(s) in use and {pins} live pin(s) at the end are not judged")
+        if self._samples is not None:
+            report.samples = self._samples
+        report.pools = {name: ps.stats() for name, ps in self.pools.items()}
+
+
+_ALLOC_KIND = {OWNED: "double-alloc", PENDING: "reuse-while-pinned",
+               RESERVED: "alloc-reserved"}
+
+
+def _has_duplicates(pages: np.ndarray) -> bool:
+    s = np.sort(pages)
+    return bool((s[1:] == s[:-1]).any())
+
+
+def _short(pages: list[int], limit: int = 8) -> str:
+    if len(pages) <= limit:
+        return f"[{', '.join(map(str, pages))}]"
+    return f"[{', '.join(map(str, pages[:limit]))}, ... ({len(pages)} pages)]"
+
+
+def _short_repr(obj: Any, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# -- the public entry points ---------------------------------------------------------------
+def replay_file(path: str | os.PathLike, *, samples: bool = False,
+                progress: bool = False,
+                max_violations: int = MAX_STORED_VIOLATIONS) -> ReplayReport:
+    """Replay one free log and return its report (``report.ok`` when it is clean).
+
+    Args:
+        path: the free log.
+        samples: keep about ``MAX_SAMPLES`` occupancy samples (``report.samples``).
+        progress: draw a progress bar on stderr.
+        max_violations: how many violations to keep in the report (all are counted).
+
+    Raises:
+        UnreadableLog: the file is missing, not msgpack, or not a version-1 free log.
+    """
+    with FreeLogReader(path) as reader:
+        bar = _Progress(reader.path, reader.size) if progress else None
+        try:
+            return Replayer(reader, samples=samples, progress=bar,
+                            max_violations=max_violations).run()
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+class _Progress:
+    """A one-line progress bar on stderr, driven by the file offset."""
+
+    def __init__(self, label: str, total: int, stream=None, width: int = 30):
+        self.label, self.total, self.width = os.path.basename(label), max(total, 1), width
+        self.stream = stream or sys.stderr
+        self.t0 = self._drawn_at = time.perf_counter()
+
+    def update(self, offset: int, events: int) -> None:
+        now = time.perf_counter()
+        if now - self._drawn_at < 0.1:
+            return
+        self._drawn_at = now
+        frac = min(offset / self.total, 1.0)
+        filled = int(frac * self.width)
+        rate = events / max(now - self.t0, 1e-9)
+        self.stream.write(f"\rreplay {self.label} [{'#' * filled}{'.' * (self.width - filled)}]"
+                          f" {frac:4.0%} {events:,} events {rate / 1e3:,.0f}k ev/s ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._drawn_at > self.t0:
+            self.stream.write("\r" + " " * (self.width + 80) + "\r")
+            self.stream.flush()
+
+
+def _format_report(r: ReplayReport, max_violations: int) -> str:
+    if r.error is not None:
+        return f"{r.path}: UNREADABLE: {r.error}"
+    end = (f"closed at seq {r.close_seq} (retained: {', '.join(r.retained) or 'none'})"
+           if r.closed else "no close event")
+    lines = [f"{r.path}: node {r.node or '?'}, {r.events:,} events, {end}, "
+             f"replayed in {r.seconds:.2f} s"]
+    for name, st in r.pools.items():
+        lines += _format_pool(name, st)
+    for w in r.warnings:
+        lines.append(f"  warning: {w}")
+    if r.num_violations:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.violations_by_kind.items()))
+        lines.append(f"  violations: {r.num_violations} ({kinds})")
+        shown = r.violations[:max_violations]
+        lines += [f"    {v.format()}" for v in shown]
+        if r.num_violations > len(shown):
+            lines.append(f"    ... and {r.num_violations - len(shown)} more (see --json)")
+    verdict = "OK" if r.ok else f"FAILED ({r.num_violations} violations)"
+    lines.append(f"  {verdict}" + (f", {len(r.warnings)} warning(s)" if r.warnings else ""))
+    return "\n".join(lines)
+
+
+def _format_pool(name: str, st: dict[str, Any]) -> list[str]:
+    ev = st["events"]
+    cap = max(st["capacity"], 1)
+    reasons = ", ".join(f"{r} {v['pages']:,} pages/{v['events']:,} events"
+                        for r, v in st["frees_by_reason"].items()) or "none"
+    return [
+        f"  pool {name}: {st['num_pages']:,} pages x {st['page_size']} slots "
+        f"({st['capacity']:,} allocatable)",
+        f"    pages allocated {st['pages_allocated']:,} in {ev['alloc']:,} allocs, "
+        f"freed {st['pages_freed']:,} in {ev['free']:,} frees, released after pins "
+        f"{st['pages_released']:,}",
+        f"    peak in use {st['peak_in_use']:,} pages ({st['peak_in_use'] / cap:.1%}) at seq "
+        f"{st['peak_seq']}; in use at end {st['in_use_at_end']:,}",
+        f"    frees by reason: {reasons}",
+        f"    pins {ev['pin']:,}, unpins {ev['unpin']:,}, handoffs {ev['handoff']:,} "
+        f"({st['pages_handed_off']:,} pages), live pins at end {st['live_pins_at_end']}",
+    ]
+
+
+def plot_reports(reports: list[ReplayReport], out: str) -> None:
+    """Pages in use per pool over time, one panel per log (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in reports if r.samples]
+    fig, axes = plt.subplots(max(len(shown), 1), 1, squeeze=False,
+                             figsize=(9, 3 * max(len(shown), 1)))
+    for ax, r in zip(axes[:, 0], shown):
+        for name, st in r.pools.items():
+            line, = ax.plot(r.samples["t_s"], r.samples[name], label=f"{name} in use")
+            ax.axhline(st["capacity"], color=line.get_color(), linestyle=":",
+                       label=f"{name} capacity")
+        ax.set_title(f"{os.path.basename(r.path)} ({r.node})")
+        ax.set_xlabel("seconds since the log started")
+        ax.set_ylabel("pages")
+        ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """``pdkv replay``: args has logs, json, plot, progress, max_violations.
+
+    Returns the exit status: 0 every log clean, 1 a violation, 2 an unreadable log
+    (or a plot that cannot be made).
+    """
+    plot = getattr(args, "plot", None)
+    if plot and not _have_matplotlib():
+        print("pdkv replay: --plot needs matplotlib; install it with "
+              "pip install 'pdkv[plot]'", file=sys.stderr)
+        return 2
+    progress = getattr(args, "progress", None)
+    reports = []
+    for path in args.logs:
+        show = sys.stderr.isatty() if progress is None else progress
+        try:
+            report = replay_file(path, samples=bool(plot), progress=show)
+        except UnreadableLog as exc:
+            report = ReplayReport(path=os.fspath(path), error=str(exc))
+        reports.append(report)
+        if not getattr(args, "json", False):
+            print(report.format(getattr(args, "max_violations", 50)), flush=True)
+    status = max(r.exit_code for r in reports)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": status == 0, "exit_code": status,
+                          "logs": [r.to_dict() for r in reports]}, indent=2))
+    if plot:
+        plot_reports([r for r in reports if r.error is None], plot)
+        print(f"occupancy plot written to {plot}", file=sys.stderr)
+    return status
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
