@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -12,6 +13,7 @@ from .events import Event, EventKind, Peer
 from .messages import Error, ErrorCode, Heartbeat, Message, ProtocolError, encode
 
 logger = logging.getLogger(__name__)
+_RECENT = 4096  # closed rids remembered so late messages are dropped, not answered as errors
 
 
 class Endpoint(ABC):
@@ -25,6 +27,7 @@ class Endpoint(ABC):
         self.stats: Counter[str] = Counter()
         self.peers: dict[bytes, Peer] = {}
         self._events: list[Event] = []
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- hooks ---------------------------------------------------------------------------
     @abstractmethod
@@ -39,6 +42,11 @@ class Endpoint(ABC):
     def _emit(self, kind: EventKind, rid: str = "", **kw) -> None:
         self._events.append(Event(kind, rid, **kw))
         self.stats[f"events.{kind.name.lower()}"] += 1
+
+    def _remember_closed(self, rid: str) -> None:
+        self._recent[rid] = None
+        while len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
 
     def _take_events(self) -> list[Event]:
         events, self._events = self._events, []

@@ -17,7 +17,6 @@ the pages' release until the peer confirmed it stopped or its lease ran out).
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -52,7 +51,6 @@ from .messages import (
 from .sockets import DealerSocket
 
 logger = logging.getLogger(__name__)
-_RECENT = 4096  # closed rids remembered so late frames are dropped, not answered as errors
 
 
 class KvReceiver(Endpoint):
@@ -74,7 +72,6 @@ class KvReceiver(Endpoint):
         self.sockets: dict[bytes, DealerSocket] = {}
         self.groups: list[list[bytes]] = []
         self.transfers: dict[str, Incoming] = {}
-        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._poller = zmq.Poller()
 
     # -- worker API ----------------------------------------------------------------------
@@ -241,7 +238,13 @@ class KvReceiver(Endpoint):
             return
         if len(frames) > 1:
             raise unexpected_frames(msg, frames)
-        if isinstance(msg, (Accepted, Done, Abort, AbortAck)):
+        if isinstance(msg, AbortAck):
+            inc = self.transfers.get(msg.rid)
+            if inc is not None and peer.key in inc.legs:
+                inc.legs[peer.key].abort_acked = True
+            else:
+                self.stats["late_msgs"] += 1
+        elif isinstance(msg, (Accepted, Done, Abort)):
             inc = self._incoming(peer, msg.rid)
             if inc is not None:
                 self._on_request_msg(peer, inc, msg)
@@ -283,8 +286,6 @@ class KvReceiver(Endpoint):
             self._send(peer.key, AbortAck(rid=inc.rid))
             self._abort_legs(inc, msg.reason, msg.detail)
             self._close(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
-        else:  # AbortAck for an abort we have not sent: harmless
-            leg.abort_acked = True
 
     def _on_chunk(self, peer: Peer, msg: KvChunk, frames: list) -> None:
         inc = self._incoming(peer, msg.rid)
@@ -382,9 +383,7 @@ class KvReceiver(Endpoint):
         if inc.pin_id is not None:
             self.cache.unpin(inc.pin_id)
         del self.transfers[inc.rid]
-        self._recent[inc.rid] = None
-        while len(self._recent) > _RECENT:
-            self._recent.popitem(last=False)
+        self._remember_closed(inc.rid)
 
     def _on_peer_lost(self, peer: Peer, why: str) -> None:
         for rid in sorted(peer.rids):

@@ -196,7 +196,7 @@ class KvSender(Endpoint):
 
     def _on_announce(self, peer: Peer, msg: Announce) -> None:
         out = self.transfers.get(msg.rid)
-        if out is not None and out.state.is_final:
+        if msg.rid in self._recent or (out is not None and out.state.is_final):
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} is closing", msg.rid)
         if out is not None and peer.key in out.legs:
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} announced twice",
@@ -299,9 +299,9 @@ class KvSender(Endpoint):
     # -- outgoing ------------------------------------------------------------------------
     def _outgoing_for_send(self, rid: str, kv) -> Outgoing:
         out = self.transfers.get(rid)
-        if out is None:
+        if out is None and rid not in self._recent:
             out = self.transfers[rid] = Outgoing(rid)
-        if out.state.is_final:
+        if out is None or out.state.is_final:
             raise KeyError(f"{rid!r} was aborted or failed; stop sending it")
         out.kv = kv
         out.t_progress = time.monotonic()
@@ -437,6 +437,7 @@ class KvSender(Endpoint):
         out.pins = keep
         if out.state == OutState.CLOSED and not keep:
             del self.transfers[out.rid]
+            self._remember_closed(out.rid)
 
     def _on_peer_lost(self, peer: Peer, why: str) -> None:
         for rid in sorted(peer.rids):

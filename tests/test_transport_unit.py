@@ -1,0 +1,413 @@
+"""Transport pieces on their own: codec, TP head mapping, coalescing, in-process pairs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
+from transport import EventKind, HandshakeError, KvReceiver, KvSender
+from transport.channel import coalesce
+from transport.messages import (
+    Ack,
+    Announce,
+    ErrorCode,
+    Hello,
+    KvChunk,
+    ProtocolError,
+    decode,
+    encode,
+    pages_from_bytes,
+    pages_to_bytes,
+)
+from transport.tp import overlap, peer_ranks, rank_heads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- codec ---------------------------------------------------------------------------------
+def test_every_message_round_trips_and_page_ids_are_int32_bytes():
+    msg = Announce(rid="r1", prompt_len=33, cached_tokens=16,
+                   dest_pages=pages_to_bytes([5, 6, 9]))
+    assert decode(encode(msg)) == msg
+    assert msg.dest_pages == b"\x05\x00\x00\x00\x06\x00\x00\x00\x09\x00\x00\x00"
+    assert pages_from_bytes(msg.dest_pages).tolist() == [5, 6, 9]
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"\xc1garbage", ErrorCode.MALFORMED),
+    (encode(Ack(rid="r"))[:-2], ErrorCode.MALFORMED),
+    (msgpack.packb([1, 2]), ErrorCode.MALFORMED),
+    (msgpack.packb({"t": "Pickle", "rid": "r"}), ErrorCode.UNKNOWN_TYPE),
+    (msgpack.packb({"t": ["list"]}), ErrorCode.UNKNOWN_TYPE),
+    (msgpack.packb({"t": "Ack"}), ErrorCode.MISSING_FIELD),
+    (msgpack.packb({"t": "Ack", "rid": 7}), ErrorCode.BAD_FIELD),
+    (msgpack.packb({"t": "Done", "rid": "r", "num_blocks": True, "first_token": 1}),
+     ErrorCode.BAD_FIELD),
+    (b"\x00" * 70000, ErrorCode.OVERSIZED),
+])
+def test_bad_control_frames_are_protocol_errors_never_crashes(frame, code):
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert info.value.code == code
+
+
+def test_ragged_page_id_bytes_are_rejected():
+    with pytest.raises(ProtocolError, match="int32"):
+        pages_from_bytes(b"\x01\x00\x00")
+
+
+# -- TP head mapping -----------------------------------------------------------------------
+def test_head_ranges_split_evenly_and_refuse_uneven_splits():
+    assert [rank_heads(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="split evenly"):
+        rank_heads(6, 4, 0)
+
+
+@pytest.mark.parametrize("p_size, d_size, legs", [
+    (2, 1, {(0, 0): (0, 4), (1, 0): (4, 8)}),
+    (1, 2, {(0, 0): (0, 4), (0, 1): (4, 8)}),
+    (2, 4, {(0, 0): (0, 2), (0, 1): (2, 4), (1, 2): (4, 6), (1, 3): (6, 8)}),
+    (4, 2, {(0, 0): (0, 2), (1, 0): (2, 4), (2, 1): (4, 6), (3, 1): (6, 8)}),
+])
+def test_each_decode_rank_receives_exactly_its_heads(p_size, d_size, legs):
+    got = {(p, d): overlap(8, p_size, p, d_size, d)
+           for p in range(p_size) for d in range(d_size)
+           if overlap(8, p_size, p, d_size, d) is not None}
+    assert got == legs
+    for d in range(d_size):
+        assert peer_ranks(8, d_size, d, p_size) == sorted(p for p, dd in legs if dd == d)
+
+
+def test_coalesce_cuts_at_gaps_and_at_the_frame_cap():
+    pages = np.array([3, 4, 5, 9, 10, 11, 12, 13, 2])
+    assert coalesce(pages, 3) == [(0, 3), (3, 3), (6, 2), (8, 1)]
+    assert coalesce(np.array([], np.int64), 4) == []
+
+
+# -- in-process pairs ----------------------------------------------------------------------
+class Pair:
+    """A sender and a receiver in this process over ipc; the sender is polled by hand,
+    except during the blocking handshake."""
+
+    def __init__(self, tmp_path, p_layout=None, d_layout=None, p_page=4, d_page=4, **kw):
+        self.pc = make_cache(64, p_page, p_layout or layout(), node="p")
+        self.dc = make_cache(64, d_page, d_layout or layout(), node="d")
+        self.tx = KvSender(self.pc, f"ipc://{tmp_path}/p.sock", config("p", **kw))
+        self.rx = KvReceiver(self.dc, config("d", **kw))
+        self.tx_events = []
+
+    def connect(self):
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                self.tx_events.extend(self.tx.poll(0.005))
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            return self.rx.connect(self.tx.address)
+        finally:
+            stop.set()
+            thread.join()
+
+    def close(self):
+        self.tx.close()
+        self.rx.close()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p = Pair(tmp_path)
+    p.connect()
+    yield p
+    p.close()
+
+
+def _rows(pair, rid, n, seed=1):
+    kv_p = pair.pc.open_row(rid)
+    pair.pc.extend(kv_p, n)
+    write_row(pair.pc, kv_p, pattern(seed, n, pair.pc.layout, 0, 4))
+    kv_d = pair.dc.open_row(rid)
+    pair.dc.extend(kv_d, n)
+    return kv_p, kv_d
+
+
+def test_destination_pages_stay_pinned_after_a_decode_abort_until_the_prefill_acks(pair):
+    free0 = pair.dc.num_free_pages()
+    kv_p, kv_d = _rows(pair, "r1", 30)                     # 8 pages of 4 slots each side
+    pair.rx.announce("r1", kv_d, 30)
+    assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
+    pair.tx.send("r1", kv_p, 13)                             # blocks 0..2 (the 13th waits)
+    leg = next(iter(pair.rx.transfers["r1"].legs.values()))
+    deadline = time.monotonic() + 2
+    while leg.blocks_received < 3 and time.monotonic() < deadline:
+        pair.rx.poll(0.01)
+    assert leg.blocks_received == 3
+    assert pair.rx.abort("r1")
+    pair.dc.free_kv_row(kv_d, [(0, 30)], reason="aborted")  # the worker frees at once
+    pair.dc.close_row(kv_d)
+    pair.rx.poll(0.05)
+    assert pair.dc.num_free_pages() == free0 - 8            # pinned: the prefill may write
+    events = pair.tx.poll(0.5)
+    assert [(e.kind, e.reason) for e in events] == [(EventKind.ABORTED, "aborted")]
+    with pytest.raises(KeyError):
+        pair.tx.send("r1", kv_p, 30)
+    pair.pc.free_kv_row(kv_p, [(0, 30)], reason="aborted")
+    pair.pc.close_row(kv_p)
+    deadline = time.monotonic() + 2
+    while pair.dc.num_free_pages() != free0 and time.monotonic() < deadline:
+        pair.rx.poll(0.01)
+        pair.tx.poll(0.0)
+    assert pair.dc.num_free_pages() == free0 and pair.rx.num_pins == 0
+    assert pair.tx.num_pins == 0 and pair.pc.num_free_pages() == free0
+    pair.dc.check_integrity()
+    pair.pc.check_integrity()
+
+
+def test_source_pages_stay_pinned_until_sent_and_the_row_free_is_deferred(pair):
+    free0 = pair.pc.num_free_pages()
+    kv_p, kv_d = _rows(pair, "r1", 17)
+    pair.tx.send("r1", kv_p, 8)          # before the Announce: pinned, queued
+    assert pair.tx.num_pins == 1
+    pair.rx.announce("r1", kv_d, 17)
+    pair.tx_events += pair.tx.poll(0.5)
+    pair.tx.finish("r1", kv_p, first_token=99)
+    pair.pc.free_kv_row(kv_p, [(0, 17)], reason="sent")
+    pair.pc.close_row(kv_p)
+    assert pair.pc.num_free_pages() < free0            # still pinned by the transport
+    events = []
+    deadline = time.monotonic() + 2
+    while len(events) < 1 and time.monotonic() < deadline:
+        events += pair.rx.poll(0.01)
+        pair.tx_events += pair.tx.poll(0.0)
+    assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 99)]
+    assert torch_equal(read_row(pair.dc, kv_d, 0, 17), pattern(1, 17, pair.pc.layout, 0, 4))
+    while pair.tx.transfers and time.monotonic() < deadline:
+        pair.tx_events += pair.tx.poll(0.01)
+    assert [e.kind for e in pair.tx_events if e.rid] == [EventKind.READY,
+                                                         EventKind.COMPLETED]
+    assert pair.pc.num_free_pages() == free0 and pair.tx.num_pins == 0
+
+
+def torch_equal(a, b):
+    import torch
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("field, p_kw, d_kw", [
+    ("page_size", {"p_page": 4}, {"d_page": 16}),
+    ("dtype", {"p_layout": layout(dtype="float16")}, {}),
+    ("num_draft_layers", {"p_layout": layout().__class__(num_layers=2, num_kv_heads=4,
+                                                          head_dim=8)}, {}),
+    ("total_kv_heads", {"p_layout": layout(total_heads=8)}, {}),
+])
+def test_handshake_mismatch_is_an_error_on_both_sides_naming_the_field(tmp_path, field,
+                                                                       p_kw, d_kw):
+    pair = Pair(tmp_path, **p_kw, **d_kw)
+    try:
+        with pytest.raises(HandshakeError, match=f"mismatch on {field}"):
+            pair.connect()
+        failed = [e for e in pair.tx_events if e.kind == EventKind.HANDSHAKE_FAILED]
+        assert len(failed) == 1 and f"mismatch on {field}" in failed[0].detail
+        assert pair.tx.stats["errors.handshake"] == 1 and not pair.tx.peers
+    finally:
+        pair.close()
+
+
+def test_handshake_times_out_instead_of_hanging(tmp_path):
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{tmp_path}/silent.sock")
+    rx = KvReceiver(make_cache(16, 4, layout()), config("d", handshake_timeout_s=0.3))
+    try:
+        with pytest.raises(TimeoutError, match="no Hello"):
+            rx.connect(f"ipc://{tmp_path}/silent.sock")
+        assert rx.stats["timeouts.handshake"] == 1
+    finally:
+        rx.close()
+        silent.close(linger=0)
+        ctx.term()
+
+
+# -- a misbehaving peer: errors answered and counted, the endpoint keeps serving ---------
+def _raw_dealer(ctx, address, hello: Hello | None):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    if hello is not None:
+        sock.send(encode(hello))
+    return sock
+
+
+def _answers(tx, sock, n):
+    got = []
+    deadline = time.monotonic() + 3
+    while len(got) < n and time.monotonic() < deadline:
+        tx.poll(0.01)
+        while sock.poll(0):
+            got.append(decode(sock.recv_multipart()[0]))
+    return got
+
+
+def test_prefill_answers_garbage_with_errors_and_keeps_serving(pair):
+    ctx = zmq.Context()
+    hello = pair.rx.hello
+    evil = _raw_dealer(ctx, pair.tx.address, None)
+    try:
+        evil.send(encode(Ack(rid="x")))                       # before any Hello
+        assert _answers(pair.tx, evil, 1)[0].code == "not_handshaken"
+        evil.send(encode(hello))
+        assert isinstance(_answers(pair.tx, evil, 1)[0], Hello)
+        evil.send(b"\xc1\xc1")                                 # malformed
+        evil.send_multipart([encode(Ack(rid="x")), b"extra"])  # frames it may not carry
+        evil.send(msgpack.packb({"t": "Announce", "rid": "a"}))  # truncated message
+        evil.send(encode(Announce(rid="a", prompt_len=8, cached_tokens=0,
+                                  dest_pages=b"\x01\x00")))      # ragged page ids
+        evil.send(encode(KvChunk(rid="a", first_block=0, num_blocks=1, head_start=0,
+                                 head_end=4, nbytes=4)))         # decode-only message
+        codes = [m.code for m in _answers(pair.tx, evil, 5)]
+        assert codes == ["malformed", "extra_frames", "missing_field", "bad_field",
+                         "bad_field"]
+        assert pair.tx.stats["errors"] == 6
+        kv_p, kv_d = _rows(pair, "ok", 9)                      # the real peer still works
+        pair.rx.announce("ok", kv_d, 9)
+        pair.tx.poll(0.5)
+        pair.tx.finish("ok", kv_p, 5)
+        events = []
+        deadline = time.monotonic() + 2
+        while not events and time.monotonic() < deadline:
+            events = pair.rx.poll(0.01)
+        assert events[0].kind == EventKind.COMPLETED
+        assert torch_equal(read_row(pair.dc, kv_d, 0, 9), pattern(1, 9, pair.pc.layout, 0, 4))
+    finally:
+        evil.close(linger=0)
+        ctx.term()
+
+
+class FakePrefill:
+    """A raw ROUTER that answers the Hello and then sends whatever the test says."""
+
+    def __init__(self, tmp_path, rx: KvReceiver):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{tmp_path}/fake.sock")
+        import dataclasses
+        self.hello = dataclasses.replace(rx.hello, role="prefill", node="fake")
+        self.peer = None
+        stop = threading.Event()
+        thread = threading.Thread(target=self._answer_hello, args=(stop,))
+        thread.start()
+        rx.connect(f"ipc://{tmp_path}/fake.sock")
+        stop.set()
+        thread.join()
+
+    def _answer_hello(self, stop):
+        while not stop.is_set() and self.peer is None:
+            if self.sock.poll(10):
+                self.peer, _ = self.sock.recv_multipart()
+                self.sock.send_multipart([self.peer, encode(self.hello)])
+
+    def send(self, *frames):
+        self.sock.send_multipart([self.peer, *frames])
+
+    def recv_all(self):
+        out = []
+        while self.sock.poll(50):
+            out.append(decode(self.sock.recv_multipart()[1]))
+        return out
+
+    def close(self):
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
+    dc = make_cache(64, 4, layout())
+    rx = KvReceiver(dc, config("d", lease_s=30.0))
+    fake = FakePrefill(tmp_path, rx)
+    try:
+        free0 = dc.num_free_pages()
+        rows = {}
+        for rid in ("bad1", "bad2", "bad3", "good"):
+            rows[rid] = dc.open_row(rid)
+            dc.extend(rows[rid], 8)
+            rx.announce(rid, rows[rid], 8)
+        block = dc.data()[0].numel() * 4
+        chunk = lambda rid, nbytes, first=0: encode(KvChunk(   # noqa: E731
+            rid=rid, first_block=first, num_blocks=1, head_start=0, head_end=4,
+            nbytes=nbytes))
+        fake.send(chunk("nobody", block), b"\0" * block)             # unknown rid
+        fake.send(chunk("bad1", block))                               # truncated
+        fake.send(chunk("bad2", block), b"\0" * (block + 8))          # oversized
+        fake.send(chunk("bad3", block, first=5), b"\0" * block)       # outside its pages
+        good = pattern(3, 8, dc.layout, 0, 4)
+        write_row(dc, rows["good"], good)  # what the fake "sends", then wiped
+        payload = dc.data()[dc.pages(rows["good"], 0, 8)].numpy().tobytes()
+        dc.data().zero_()
+        for rid in ("good",):
+            fake.send(encode(KvChunk(rid=rid, first_block=0, num_blocks=2, head_start=0,
+                                     head_end=4, nbytes=2 * block)), payload)
+            fake.send(encode(__import__("transport.messages").messages.Done(
+                rid=rid, num_blocks=2, first_token=11)))
+        events = []
+        deadline = time.monotonic() + 3
+        while len(events) < 4 and time.monotonic() < deadline:
+            events += rx.poll(0.01)
+        kinds = {e.rid: (e.kind, e.reason) for e in events}
+        assert kinds == {"bad1": (EventKind.FAILED, "error"),
+                         "bad2": (EventKind.FAILED, "error"),
+                         "bad3": (EventKind.FAILED, "error"),
+                         "good": (EventKind.COMPLETED, "")}
+        assert torch_equal(read_row(dc, rows["good"], 0, 8), good)
+        codes = [m.code for m in fake.recv_all() if type(m).__name__ == "Error"]
+        assert sorted(codes) == ["bad_range", "oversized", "truncated", "unknown_rid"]
+        assert rx.stats["errors"] == 4
+        for rid, kv in rows.items():
+            dc.free_kv_row(kv, [(0, 8)], reason="aborted" if "bad" in rid else "finished")
+            dc.close_row(kv)
+        for msg in ("bad1", "bad2", "bad3"):   # the fake confirms it stopped
+            fake.send(encode(__import__("transport.messages").messages.AbortAck(rid=msg)))
+        deadline = time.monotonic() + 2
+        while rx.transfers and time.monotonic() < deadline:
+            rx.poll(0.01)
+        assert dc.num_free_pages() == free0 and rx.num_pins == 0
+        dc.check_integrity()
+    finally:
+        rx.close()
+        fake.close()
+
+
+def test_admission_deadline_then_lease_frees_the_destination(tmp_path):
+    dc = make_cache(64, 4, layout())
+    rx = KvReceiver(dc, config("d", admission_timeout_s=0.3, lease_s=0.8,
+                               heartbeat_s=0.1))
+    fake = FakePrefill(tmp_path, rx)   # never accepts, never heartbeats
+    try:
+        free0 = dc.num_free_pages()
+        kv = dc.open_row("r")
+        dc.extend(kv, 8)
+        t0 = time.monotonic()
+        rx.announce("r", kv, 8)
+        events = []
+        while not events and time.monotonic() - t0 < 3:
+            events = rx.poll(0.01)
+        assert [(e.kind, e.reason) for e in events] == [(EventKind.FAILED, "timeout")]
+        dc.free_kv_row(kv, [(0, 8)], reason="timeout")
+        dc.close_row(kv)
+        assert dc.num_free_pages() == free0 - 2        # the Abort is not acknowledged yet
+        lost = []
+        while not lost and time.monotonic() - t0 < 3:
+            lost = [e for e in rx.poll(0.01) if e.kind == EventKind.PEER_LOST]
+        rx.poll(0.0)
+        assert dc.num_free_pages() == free0 and time.monotonic() - t0 < 1.5
+        assert [type(m).__name__ for m in fake.recv_all()].count("Abort") == 1
+    finally:
+        rx.close()
+        fake.close()
