@@ -64,8 +64,7 @@ class _Group:
 
     query_index: torch.Tensor  # [B, num_queries] token index into the batch, padded
     query_valid: torch.Tensor  # [B, num_queries] False on padding
-    key_pages: torch.Tensor  # [B, num_keys] page of each key slot, padded
-    key_offsets: torch.Tensor  # [B, num_keys] offset in page
+    key_rows: torch.Tensor  # [B, num_keys] flat-pool row of each key slot at layer 0, padded
     mask: torch.Tensor  # [B, 1, group * num_queries, num_keys] True = may attend
 
 
@@ -75,8 +74,7 @@ class _Plan:
 
     token_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    write_pages: torch.Tensor  # [num_tokens]
-    write_offsets: torch.Tensor  # [num_tokens]
+    write_rows: torch.Tensor  # [num_tokens] flat-pool row of each new token's K at layer 0
     groups: list[_Group]
     lengths: list[int]
 
@@ -100,6 +98,11 @@ class ModelRunner:
         self.data = cache.data()  # [num_pages, total_layers, 2, page_size, kv_heads, head_dim]
         if self.data.device != model.device:
             raise ValueError(f"cache on {self.data.device}, model on {model.device}")
+        # The pool as rows of one token's K or V, [num_pages * total_layers * 2 * page_size,
+        # kv_heads * head_dim]: gathers and scatters over contiguous rows run near memcpy
+        # speed, where 2-index advanced indexing of the 6-d view was several times slower.
+        self.flat = self.data.view(-1, layout.num_kv_heads * layout.head_dim)
+        self.page_rows = layout.total_layers * 2 * self.page_size
 
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
@@ -126,16 +129,19 @@ class ModelRunner:
         h = model.embed(plan.token_ids)  # [num_tokens, hidden]
         for b in range(num_blocks):
             q, k, v = model.qkv(b, h, plan.positions)
-            layer = self.data[:, first_layer + b]  # [num_pages, 2, page_size, kv_heads, dim]
-            layer[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v), dim=1)
-            h = model.block_out(b, h, self._attend(q, layer, plan))
+            k_row = (first_layer + b) * 2 * self.page_size  # V rows follow at + page_size
+            self.flat[plan.write_rows + k_row] = k.reshape(k.shape[0], -1)
+            self.flat[plan.write_rows + k_row + self.page_size] = v.reshape(v.shape[0], -1)
+            h = model.block_out(b, h, self._attend(q, k_row, plan))
         return h, plan
 
-    def _attend(self, q: torch.Tensor, layer: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k_row: int, plan: _Plan) -> torch.Tensor:
         """q: [num_tokens, heads, dim] -> [num_tokens, heads * dim], group by group."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for g in plan.groups:
-            o = _group_attention(q, layer, g)  # [B, num_queries, heads * dim]
+            k = self.flat[g.key_rows + k_row]  # [B, num_keys, kv_heads * dim]
+            v = self.flat[g.key_rows + k_row + self.page_size]
+            o = _group_attention(q, k, v, g)  # [B, num_queries, heads * dim]
             out[g.query_index[g.query_valid]] = o[g.query_valid]
         return out
 
@@ -146,13 +152,16 @@ class ModelRunner:
             ids.append(torch.as_tensor(item.token_ids, dtype=torch.int64).reshape(-1))
             positions.append(torch.arange(item.start, item.end))
             slots.append(self.cache.slots(item.kv, 0, item.end))  # [end] int64
-        writes = torch.cat([s[it.start:] for s, it in zip(slots, batch)])
+        writes = self._rows_of(torch.cat([s[it.start:] for s, it in zip(slots, batch)]))
         lengths = [it.num_tokens for it in batch]
         dev = self.model.device
         return _Plan(token_ids=torch.cat(ids).to(dev), positions=torch.cat(positions).to(dev),
-                     write_pages=(writes // self.page_size).to(dev),
-                     write_offsets=(writes % self.page_size).to(dev),
-                     groups=self._groups(batch, slots, lengths), lengths=lengths)
+                     write_rows=writes.to(dev), groups=self._groups(batch, slots, lengths),
+                     lengths=lengths)
+
+    def _rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat-pool rows of the K of layer 0 at the given slots."""
+        return slots // self.page_size * self.page_rows + slots % self.page_size
 
     def _groups(self, batch: list[BatchItem], slots: list[torch.Tensor], lengths: list[int]
                 ) -> list[_Group]:
@@ -162,9 +171,9 @@ class ModelRunner:
         members = ([packed] if packed else []) + alone
         cfg = self.model.config
         group_size = cfg.num_heads // cfg.num_kv_heads
-        return [_build_group([batch[i] for i in m], [slots[i] for i in m],
-                             [firsts[i] for i in m], self.page_size, group_size,
-                             self.model.device) for m in members]
+        return [_build_group([batch[i] for i in m], [self._rows_of(slots[i]) for i in m],
+                             [firsts[i] for i in m], group_size, self.model.device)
+                for m in members]
 
 
 def _validate(batch: list[BatchItem], cfg: object) -> None:
@@ -186,18 +195,18 @@ def _validate(batch: list[BatchItem], cfg: object) -> None:
             raise ValueError(f"row {item.kv.row}: token ids must be in [0, {cfg.vocab_size})")
 
 
-def _build_group(items: list[BatchItem], slots: list[torch.Tensor], firsts: list[int],
-                 page_size: int, group_size: int, device: torch.device) -> _Group:
+def _build_group(items: list[BatchItem], rows: list[torch.Tensor], firsts: list[int],
+                 group_size: int, device: torch.device) -> _Group:
     num_q = max(it.num_tokens for it in items)
     num_k = max(it.end for it in items)
     q_index = torch.empty(len(items), num_q, dtype=torch.int64)
     q_pos = torch.empty(len(items), num_q, dtype=torch.int64)
-    key_slots = torch.empty(len(items), num_k, dtype=torch.int64)
-    for b, (it, s, first) in enumerate(zip(items, slots, firsts)):
+    key_rows = torch.empty(len(items), num_k, dtype=torch.int64)
+    for b, (it, r, first) in enumerate(zip(items, rows, firsts)):
         # Padding repeats the item's last token and last slot: real data, masked out.
         j = torch.arange(num_q).clamp(max=it.num_tokens - 1)
         q_index[b], q_pos[b] = first + j, it.start + j
-        key_slots[b] = s[torch.arange(num_k).clamp(max=it.end - 1)]
+        key_rows[b] = r[torch.arange(num_k).clamp(max=it.end - 1)]
     q_valid = torch.arange(num_q) < torch.tensor([it.num_tokens for it in items])[:, None]
     k_len = torch.tensor([it.end for it in items])[:, None, None]  # [B, 1, 1]
     k_pos = torch.arange(num_k)
@@ -205,21 +214,21 @@ def _build_group(items: list[BatchItem], slots: list[torch.Tensor], firsts: list
     # Query rows are ordered (group member, query) to match _group_attention's reshape.
     mask = mask[:, None].expand(-1, group_size, -1, -1).reshape(len(items), 1, -1, num_k)
     return _Group(query_index=q_index.to(device), query_valid=q_valid.to(device),
-                  key_pages=(key_slots // page_size).to(device),
-                  key_offsets=(key_slots % page_size).to(device), mask=mask.to(device))
+                  key_rows=key_rows.to(device), mask=mask.to(device))
 
 
-def _group_attention(q: torch.Tensor, layer: torch.Tensor, g: _Group) -> torch.Tensor:
+def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group
+                     ) -> torch.Tensor:
     """Grouped-query attention of one group without repeating K/V per query head.
 
-    q: [num_tokens, heads, dim]; layer: [num_pages, 2, page_size, kv_heads, dim].
+    q: [num_tokens, heads, dim]; k, v: [B, num_keys, kv_heads * dim] (gathered, padded).
     Returns [B, num_queries, heads * dim].
     """
     num_b, num_q = g.query_index.shape
-    kv = layer[g.key_pages, :, g.key_offsets]  # [B, num_keys, 2, kv_heads, dim]
-    k = kv[:, :, 0].transpose(1, 2)  # [B, kv_heads, num_keys, dim]
-    v = kv[:, :, 1].transpose(1, 2)
-    kv_heads, dim = k.shape[1], k.shape[3]
+    dim = q.shape[2]
+    k = k.view(num_b, k.shape[1], -1, dim).transpose(1, 2)  # [B, kv_heads, num_keys, dim]
+    v = v.view(num_b, v.shape[1], -1, dim).transpose(1, 2)
+    kv_heads = k.shape[1]
     qg = q[g.query_index].reshape(num_b, num_q, kv_heads, -1, dim)  # [B, nq, kvh, grp, dim]
     qg = qg.permute(0, 2, 3, 1, 4).reshape(num_b, kv_heads, -1, dim)  # [B, kvh, grp*nq, dim]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)  # [B, kvh, grp*nq, dim]
