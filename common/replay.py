@@ -40,12 +40,12 @@ _OPS = ("", "alloc", "free", "pin", "unpin", "release", "handoff")
 OP_ALLOC, OP_FREE, OP_PIN, OP_UNPIN, OP_RELEASE, OP_HANDOFF = range(1, 7)
 NO_OWNER = -1
 
-# Events with more pages than this go through numpy; below, a Python loop is faster
-# (measured by benchmarks/replay.py on a 2-core machine).
+# Page lists up to this size are decoded by a precompiled struct; longer ones compile
+# their format on the way (struct caches it).
 SMALL_EVENT = 256
 # Pages are decoded as unsigned so that a negative id indexes past the end and raises
 # IndexError like any other out-of-range id; the hot loop then needs no range check.
-_UNPACK = tuple(struct.Struct(f"<{n}I").unpack for n in range(SMALL_EVENT + 1))
+_UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in range(SMALL_EVENT + 1)}
 CHECK_EVERY = 1 << 16  # events between checkpoints (progress, owner-table compaction)
 MAX_SAMPLES = 2048  # occupancy samples kept for --plot (halved by max when full)
 MAX_STORED_VIOLATIONS = 1000
@@ -127,14 +127,16 @@ class _Pool:
     def __init__(self, info: PoolInfo):
         n = info.num_pages
         self.info = info
-        self.own = np.full(n, NO_OWNER << 2 | FREE, dtype=np.int64)
-        self.own[0] = NO_OWNER << 2 | RESERVED  # page 0 is padding, never allocated
-        self.own[list(info.reserved)] = NO_OWNER << 2 | RESERVED
-        self.pins = np.zeros(n, dtype=np.int32)
-        self.last = np.zeros(n, dtype=np.int64)  # seq << 3 | op code; 0: never touched
-        self.own_mv, self.pins_mv = memoryview(self.own), memoryview(self.pins)
-        self.last_mv = memoryview(self.last)
-        self.capacity = int(np.count_nonzero(self.own & 3 != RESERVED))
+        # Python lists, not numpy arrays: a list item is read or written in about half
+        # the time of a memoryview item over a numpy array, and a numpy call (about a
+        # microsecond) only pays off above a few hundred pages. Values are shared int
+        # objects (one per event), so memory stays a few tens of bytes per page.
+        self.own = [NO_OWNER << 2 | FREE] * n  # owner id << 2 | state
+        for p in {0, *info.reserved}:  # page 0 is padding, never allocated
+            self.own[p] = NO_OWNER << 2 | RESERVED
+        self.pins = [0] * n
+        self.last = [0] * n  # seq << 3 | op code of the last event on the page; 0: none
+        self.capacity = n - len({0, *info.reserved})
         self.live: dict[Any, tuple] = {}  # pin id -> (raw pages, pages, seq, reason)
         self.in_use = self.peak = self.peak_seq = 0
         self.pages_allocated = self.pages_freed = self.pages_released = 0
@@ -160,8 +162,6 @@ class _Pool:
 
 def _signed(pages) -> list[int]:
     """Page ids as the writer meant them (the fast path decodes them unsigned)."""
-    if isinstance(pages, np.ndarray):
-        return pages.view("<i4").tolist()
     return [p - (1 << 32) if p >= 1 << 31 else p for p in pages]
 
 
@@ -203,8 +203,7 @@ class Replayer:
         return self.report
 
     def _loop(self) -> int:
-        pools, handlers, unpack, small = self.pools, self._handlers, _UNPACK, SMALL_EVENT
-        frombuffer = np.frombuffer
+        pools, handlers, unpack = self.pools, self._handlers, _UNPACK
         seq_next = count = 0
         check_at = self._stride
         try:
@@ -213,12 +212,11 @@ class Replayer:
                 try:
                     seq, op, raw, ps = ev["seq"], ev["op"], ev["pages"], pools[ev["pool"]]
                     handler = handlers[op]
-                    n = len(raw) >> 2
-                    if type(raw) is not bytes or len(raw) & 3 or type(seq) is not int:
-                        raise TypeError
-                except (KeyError, TypeError):
+                    # KeyError past SMALL_EVENT pages; struct.error unless whole int32s.
+                    pages = unpack[len(raw) >> 2](raw)
+                except (KeyError, TypeError, struct.error):
                     # close, unknown op or pool, malformed: all rare, all judged slowly.
-                    seq_next = self._odd_event(ev, seq_next)
+                    seq_next = self._odd_event(ev, seq_next, count)
                     if self._closed:
                         count += self._after_close()
                         break
@@ -228,7 +226,6 @@ class Replayer:
                 seq_next = seq + 1
                 if self._expect is not None and op != "release":
                     self._missing_release(seq)
-                pages = unpack[n](raw) if n <= small else frombuffer(raw, "<u4")
                 try:
                     handler(ps, pages, ev, seq)
                 except (KeyError, TypeError) as exc:
@@ -241,38 +238,30 @@ class Replayer:
         return count
 
     # -- events on the fast path; each falls back to a slow twin on any bad page ----------
-    def _alloc(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+    def _alloc(self, ps: _Pool, pages: tuple[int, ...], ev: dict, seq: int) -> None:
         owner = ev["owner"]
         oid = self._owner_ids.get(owner)
         if oid is None:
             oid = self._intern(owner)
         new, tag = oid << 2 | OWNED, seq << 3 | OP_ALLOC
-        if type(pages) is tuple:
-            own, last = ps.own_mv, ps.last_mv
-            try:
-                for p in pages:
-                    if own[p] & 3:  # not FREE
-                        break
-                    own[p] = new
-                    last[p] = tag
-                else:
-                    return self._count_alloc(ps, len(pages), seq)
-            except IndexError:
-                pass
-        elif self._alloc_np(ps, pages, new, tag):
-            return self._count_alloc(ps, len(pages), seq)
-        self._alloc_slow(ps, pages, owner, oid, seq)
-
-    @staticmethod
-    def _alloc_np(ps: _Pool, pages: np.ndarray, new: int, tag: int) -> bool:
+        own, last = ps.own, ps.last
         try:
-            if (ps.own[pages] & 3).any() or _has_duplicates(pages):
-                return False
-        except IndexError:
-            return False
-        ps.own[pages] = new
-        ps.last[pages] = tag
-        return True
+            for p in pages:
+                if own[p] & 3:  # not FREE (a page listed twice is OWNED the second time)
+                    break
+                own[p] = new
+                last[p] = tag
+            else:
+                n = len(pages)
+                ps.pages_allocated += n
+                ps.in_use += n
+                if ps.in_use > ps.peak:
+                    ps.peak, ps.peak_seq = ps.in_use, seq
+                ps.counts["alloc"] += 1
+                return
+        except IndexError:  # a page id out of range
+            pass
+        self._alloc_slow(ps, pages, owner, oid, seq)
 
     @staticmethod
     def _count_alloc(ps: _Pool, n: int, seq: int) -> None:
@@ -282,46 +271,30 @@ class Replayer:
         if ps.in_use > ps.peak:
             ps.peak, ps.peak_seq = ps.in_use, seq
 
-    def _free(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
+    def _free(self, ps: _Pool, pages: tuple[int, ...], ev: dict, seq: int) -> None:
         owner, reason = ev["owner"], ev["reason"]
         oid = self._owner_ids.get(owner)
         if oid is None:
             oid = self._intern(owner)
         held, tag = oid << 2 | OWNED, seq << 3 | OP_FREE
+        own, pins, last = ps.own, ps.pins, ps.last
+        freed = held - OWNED  # FREE, and the owner id is kept for messages
         pending = 0
-        if type(pages) is tuple:
-            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
-            try:
-                for p in pages:
-                    if own[p] != held:
-                        break
-                    if pins[p]:  # freed while pinned: free at the last unpin
-                        own[p] = held + (PENDING - OWNED)
-                        pending += 1
-                    else:
-                        own[p] = held - OWNED
-                    last[p] = tag
-                else:
-                    return self._count_free(ps, len(pages), pending, reason)
-            except IndexError:
-                pass
-        else:
-            pending = self._free_np(ps, pages, held, tag)
-            if pending >= 0:
-                return self._count_free(ps, len(pages), pending, reason)
-        self._free_slow(ps, pages, owner, oid, reason, seq)
-
-    @staticmethod
-    def _free_np(ps: _Pool, pages: np.ndarray, held: int, tag: int) -> int:
         try:
-            if (ps.own[pages] != held).any() or _has_duplicates(pages):
-                return -1
+            for p in pages:
+                if own[p] != held:
+                    break
+                if pins[p]:  # freed while pinned: free at the last unpin
+                    own[p] = held + (PENDING - OWNED)
+                    pending += 1
+                else:
+                    own[p] = freed
+                last[p] = tag
+            else:
+                return self._count_free(ps, len(pages), pending, reason)
         except IndexError:
-            return -1
-        pinned = ps.pins[pages] != 0
-        ps.own[pages] = np.where(pinned, held + (PENDING - OWNED), held - OWNED)
-        ps.last[pages] = tag
-        return int(np.count_nonzero(pinned))
+            pass
+        self._free_slow(ps, pages, owner, oid, reason, seq)
 
     @staticmethod
     def _count_free(ps: _Pool, n: int, pending: int, reason: str) -> None:
@@ -334,7 +307,6 @@ class Replayer:
         by_reason[0] += 1
         by_reason[1] += n
 
-
     def _pin(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
         pin_id, reason = ev["pin"], ev["reason"]
         ps.counts["pin"] += 1
@@ -344,30 +316,17 @@ class Replayer:
             return self._violate(seq, "duplicate-pin", ps.info.name,
                                  f"pin id {pin_id} is already live (pinned at seq {old_seq});"
                                  " this pin is ignored")
-        tag = seq << 3 | OP_PIN
-        if type(pages) is tuple:
-            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
-            try:
-                for p in pages:
-                    if not 0 < own[p] & 3 < RESERVED:  # neither OWNED nor PENDING
-                        break
-                    pins[p] += 1
-                    last[p] = tag
-                else:
-                    ps.live[pin_id] = (ev["pages"], pages, seq, reason)
-                    return None
-            except IndexError:
-                pass
-        else:
-            try:
-                states = ps.own[pages] & 3
-                if ((states == OWNED) | (states == PENDING)).all():
-                    np.add.at(ps.pins, pages, 1)  # a page may appear twice
-                    ps.last[pages] = tag
-                    ps.live[pin_id] = (ev["pages"], pages, seq, reason)
-                    return None
-            except IndexError:
-                pass
+        own, pins = ps.own, ps.pins
+        try:
+            for p in pages:
+                if not 0 < own[p] & 3 < RESERVED:  # neither OWNED nor PENDING
+                    break
+                pins[p] += 1
+            else:
+                ps.live[pin_id] = (ev["pages"], pages, seq, reason)
+                return None
+        except IndexError:
+            pass
         applied = self._pin_slow(ps, pages, pin_id, seq)
         ps.live[pin_id] = (ev["pages"], applied, seq, reason)
 
@@ -382,21 +341,13 @@ class Replayer:
             self._violate(seq, "unpin-pages-mismatch", ps.info.name,
                           f"unpin of pin {pin_id} lists pages {_short(_signed(pages))}, "
                           f"the pin listed {_short(_signed(pinned))}; the pin's pages count")
-        tag = seq << 3 | OP_UNPIN
         drop = []  # pages whose last pin this is and whose owner freed them meanwhile
-        if type(pinned) is tuple:
-            own, pins, last = ps.own_mv, ps.pins_mv, ps.last_mv
-            for p in pinned:
-                c = pins[p] - 1
-                pins[p] = c
-                last[p] = tag
-                if not c and own[p] & 3 == PENDING:
-                    drop.append(p)
-        else:
-            np.subtract.at(ps.pins, pinned, 1)
-            ps.last[pinned] = tag
-            cand = pinned[ps.pins[pinned] == 0]
-            drop = np.unique(cand[(ps.own[cand] & 3) == PENDING]).tolist()
+        own, pins = ps.own, ps.pins
+        for p in pinned:
+            c = pins[p] - 1
+            pins[p] = c
+            if not c and own[p] & 3 == PENDING:
+                drop.append(p)
         if drop:
             self._expect = (ps, drop, seq)
 
@@ -420,7 +371,7 @@ class Replayer:
 
     def _free_pending(self, ps: _Pool, drop: list[int], seq: int) -> None:
         """Pages whose last pin dropped are free, whatever the release event says."""
-        own, last, tag = ps.own_mv, ps.last_mv, seq << 3 | OP_RELEASE
+        own, last, tag = ps.own, ps.last, seq << 3 | OP_RELEASE
         for p in drop:
             own[p] = own[p] - PENDING  # keeps the owner id, for messages
             last[p] = tag
@@ -435,7 +386,7 @@ class Replayer:
         ps.pages_handed_off += len(pages)
         listed = _signed(pages)
         bad = [p for p in listed if not 0 <= p < ps.info.num_pages
-               or ps.own_mv[p] != held]
+               or ps.own[p] != held]
         if bad or len(set(listed)) != len(listed):
             kinds = [self._why_not_held(ps, p, oid) for p in bad] or ["duplicate-page"]
             self._violate(seq, "handoff-not-held", ps.info.name,
@@ -444,8 +395,8 @@ class Replayer:
                           page=(bad or listed)[0], owner=str(owner), num_pages=len(bad))
         for p in listed:
             if p not in bad:
-                ps.own_mv[p] = new
-                ps.last_mv[p] = tag
+                ps.own[p] = new
+                ps.last[p] = tag
 
     # -- slow paths: diagnose every page of an event that failed the fast checks ----------
     def _alloc_slow(self, ps: _Pool, pages, owner: Any, oid: int, seq: int) -> None:
@@ -458,13 +409,13 @@ class Replayer:
                 bad.setdefault("page-out-of-range", []).append(p)
             elif p in seen:
                 bad.setdefault("double-alloc", []).append(p)
-            elif ps.own_mv[p] == new and ps.last_mv[p] == tag:
+            elif ps.own[p] == new and ps.last[p] == tag:
                 good += 1  # applied by the fast path before it stopped
-            elif ps.own_mv[p] & 3 == FREE:
-                ps.own_mv[p], ps.last_mv[p] = new, tag
+            elif ps.own[p] & 3 == FREE:
+                ps.own[p], ps.last[p] = new, tag
                 good += 1
             else:
-                bad.setdefault(_ALLOC_KIND[ps.own_mv[p] & 3], []).append(p)
+                bad.setdefault(_ALLOC_KIND[ps.own[p] & 3], []).append(p)
             seen.add(p)
         for kind, ps_pages in bad.items():
             self._violate(seq, kind, ps.info.name,
@@ -484,15 +435,15 @@ class Replayer:
             if not 0 <= p < ps.info.num_pages:
                 bad.setdefault("page-out-of-range", []).append(p)
                 continue
-            v = ps.own_mv[p]
+            v = ps.own[p]
             if p in seen:
                 bad.setdefault("double-free", []).append(p)
-            elif ps.last_mv[p] == tag and v >> 2 == oid and v & 3 in (FREE, PENDING):
+            elif ps.last[p] == tag and v >> 2 == oid and v & 3 in (FREE, PENDING):
                 good += 1  # applied by the fast path before it stopped
                 pending += v & 3 == PENDING
             elif v == held:
-                pinned = ps.pins_mv[p] > 0
-                ps.own_mv[p], ps.last_mv[p] = (held + 1 if pinned else held - 1), tag
+                pinned = ps.pins[p] > 0
+                ps.own[p], ps.last[p] = (held + 1 if pinned else held - 1), tag
                 good += 1
                 pending += pinned
             else:
@@ -509,19 +460,17 @@ class Replayer:
 
     def _pin_slow(self, ps: _Pool, pages, pin_id: Any, seq: int) -> tuple[int, ...]:
         """Pins the pages that are owned or pending; returns them (the pin's pages)."""
-        tag = seq << 3 | OP_PIN
         listed, applied, bad = _signed(pages), [], []
-        # The fast loop (not the numpy one) pinned the pages before the first bad one.
-        prefix_done = not isinstance(pages, np.ndarray)
+        # The fast loop pinned the pages before the first bad one.
+        prefix_done = True
         for p in listed:
-            ok = 0 <= p < ps.info.num_pages and ps.own_mv[p] & 3 in (OWNED, PENDING)
+            ok = 0 <= p < ps.info.num_pages and ps.own[p] & 3 in (OWNED, PENDING)
             if ok and prefix_done:
                 applied.append(p)
                 continue
             prefix_done = False
             if ok:
-                ps.pins_mv[p] += 1
-                ps.last_mv[p] = tag
+                ps.pins[p] += 1
                 applied.append(p)
             else:
                 bad.append(p)
@@ -543,7 +492,7 @@ class Replayer:
     def _why_not_held(self, ps: _Pool, p: int, oid: int) -> str:
         if not 0 <= p < ps.info.num_pages:
             return "page-out-of-range"
-        v = ps.own_mv[p]
+        v = ps.own[p]
         state = v & 3
         if state == RESERVED:
             return "free-reserved"
@@ -558,12 +507,12 @@ class Replayer:
             if not 0 <= p < ps.info.num_pages:
                 parts.append(f"{p} (outside 0..{ps.info.num_pages - 1})")
                 continue
-            v = ps.own_mv[p]
+            v = ps.own[p]
             state, who = v & 3, self._owner_name(v >> 2)
             text = {FREE: "free", OWNED: f"owned by {who}", RESERVED: "reserved",
                     PENDING: f"freed by {who} while pinned, still pending"}[state]
-            if ps.pins_mv[p] and state != PENDING:
-                text += f", pinned x{ps.pins_mv[p]}"
+            if ps.pins[p] and state != PENDING:
+                text += f", pinned x{ps.pins[p]}"
             parts.append(f"{p} ({text})")
         more = f", +{len(pages) - 4} more" if len(pages) > 4 else ""
         dup = " (listed twice in the event)" if seen_twice else ""
@@ -586,12 +535,13 @@ class Replayer:
 
     def _compact_owners(self) -> None:
         """Forget owners that no page mentions, so memory follows the pools, not the log."""
-        used = np.unique(np.concatenate([ps.own >> 2 for ps in self.pools.values()]))
+        words = {name: np.asarray(ps.own, dtype=np.int64) for name, ps in self.pools.items()}
+        used = np.unique(np.concatenate([w >> 2 for w in words.values()]))
         used = used[used >= 0]
         remap = np.full(len(self._owner_names) + 1, NO_OWNER, dtype=np.int64)
         remap[used + 1] = np.arange(len(used))  # index + 1 so that NO_OWNER maps to itself
-        for ps in self.pools.values():
-            ps.own[:] = remap[(ps.own >> 2) + 1] << 2 | (ps.own & 3)
+        for name, w in words.items():
+            self.pools[name].own = (remap[(w >> 2) + 1] << 2 | (w & 3)).tolist()
         self._owner_names = [self._owner_names[i] for i in used.tolist()]
         self._owner_ids = {name: i for i, name in enumerate(self._owner_names)}
 
@@ -614,11 +564,11 @@ class Replayer:
         ps = self.pools.get(pool)
         if ps is None or page is None or not 0 <= page < ps.info.num_pages:
             return None
-        tag = ps.last_mv[page]
+        tag = ps.last[page]
         if tag == 0:
             return None
         return {"seq": tag >> 3, "op": _OPS[tag & 7],
-                "owner": self._owner_name(ps.own_mv[page] >> 2)}
+                "owner": self._owner_name(ps.own[page] >> 2)}
 
     def _seq_gap(self, seq: int, expected: int) -> None:
         what = "seq does not start at 0" if expected == 0 else "seq gap"
@@ -635,8 +585,10 @@ class Replayer:
         self._free_pending(ps, drop, unpin_seq)
 
     # -- rare events: close, unknown op or pool, malformed ---------------------------------
-    def _odd_event(self, ev: Any, seq_next: int) -> int:
+    def _odd_event(self, ev: Any, seq_next: int, count: int) -> int:
         """Judges an event that the hot loop could not take; returns the next seq due."""
+        if self._is_long_event(ev):
+            return self._long_event(ev, seq_next, count)
         if not isinstance(ev, dict) or type(ev.get("seq")) is not int:
             self._violate(seq_next, "malformed-event", "",
                           f"record #{seq_next + 1} is not an event map with an int seq: "
@@ -658,6 +610,29 @@ class Replayer:
         else:
             self._violate(seq, "malformed-event", str(pool),
                           f"{op} event with a missing or mistyped key: {_short_repr(ev)}")
+        return seq + 1
+
+    def _is_long_event(self, ev: Any) -> bool:
+        if not isinstance(ev, dict) or type(ev.get("seq")) is not int:
+            return False
+        raw = ev.get("pages")
+        return (ev.get("op") in self._handlers and ev.get("pool") in self.pools
+                and type(raw) is bytes and len(raw) > 4 * SMALL_EVENT and not len(raw) & 3)
+
+    def _long_event(self, ev: dict, seq_next: int, count: int) -> int:
+        """An event with more than SMALL_EVENT pages: the hot loop's steps, done here."""
+        seq, op = ev["seq"], ev["op"]
+        if seq != seq_next:
+            self._seq_gap(seq, seq_next)
+        if self._expect is not None and op != "release":
+            self._missing_release(seq)
+        raw = ev["pages"]
+        try:
+            self._handlers[op](self.pools[ev["pool"]],
+                               struct.unpack(f"<{len(raw) >> 2}I", raw), ev, seq)
+        except (KeyError, TypeError) as exc:
+            self._violate(seq, "malformed-event", ev["pool"],
+                          f"{op} event lacks or mistypes a key ({exc!r})")
         return seq + 1
 
     def _after_close(self) -> int:
@@ -688,8 +663,9 @@ class Replayer:
                               page=listed[0] if listed else None, pages=listed)
 
     def _judge_leaks(self, ps: _Pool, seq: int, keep: np.ndarray) -> None:
-        owned = np.flatnonzero((ps.own & 3) == OWNED)
-        owners = ps.own[owned] >> 2
+        words = np.asarray(ps.own, dtype=np.int64)
+        owned = np.flatnonzero((words & 3) == OWNED)
+        owners = words[owned] >> 2
         leaked = ~np.isin(owners, keep)
         ids, counts = np.unique(owners[leaked], return_counts=True)
         for oid, count in zip(ids.tolist(), counts.tolist()):
@@ -757,11 +733,6 @@ class Replayer:
 
 _ALLOC_KIND = {OWNED: "double-alloc", PENDING: "reuse-while-pinned",
                RESERVED: "alloc-reserved"}
-
-
-def _has_duplicates(pages: np.ndarray) -> bool:
-    s = np.sort(pages)
-    return bool((s[1:] == s[:-1]).any())
 
 
 def _short(pages: list[int], limit: int = 8) -> str:

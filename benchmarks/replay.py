@@ -1,0 +1,215 @@
+"""Replay speed: events/s of ``pdkv replay`` against a bare msgpack decode of the same file.
+
+Goal (issue 2): replay at least 0.25x the events/s of the bare decode.
+
+The log is a realistic decode-node workload written with ``FreeLogWriter``: requests
+arrive with a prompt (alloc of the prompt's pages, pinned while received), decode one
+page at a time, offload full pages four at a time (pinned while copied), and finish
+(committed range and speculative tail freed in one event); some abort while a pin is live
+(pending pages, then unpin + release), some hand their prefix to a prefix cache that
+evicts it later. Run:
+
+    python -m benchmarks.replay [--events 2000000] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+
+import msgpack
+
+from common.freelog import FreeLogWriter
+from common.replay import replay_file
+
+PAGE_SIZE = 16
+NUM_PAGES = 32768
+CACHE = "cache:prefix"
+
+
+class _Workload:
+    """Drives requests against a simple free list and records every step."""
+
+    def __init__(self, log: FreeLogWriter, seed: int):
+        self.log, self.rng = log, random.Random(seed)
+        self.free = list(range(1, NUM_PAGES))
+        self.rng.shuffle(self.free)
+        self.next_pin = 0
+        self.cache: list[list[int]] = []  # prefixes held by the cache, oldest first
+
+    def take(self, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        pages, self.free[-n:] = self.free[-n:], []
+        return pages
+
+    def pin(self, pages: list[int], reason: str) -> int:
+        self.next_pin += 1
+        self.log.pin("full", pages, self.next_pin, reason)
+        return self.next_pin
+
+    def request(self, rid: str) -> Iterator[None]:
+        """One request's life; yields between steps so that requests interleave."""
+        rng, log = self.rng, self.log
+        prompt, output = rng.randint(64, 2048), rng.randint(32, 512)
+        pages = self.take(-(-prompt // PAGE_SIZE))
+        while pages is None:
+            self.evict_cache()
+            yield
+            pages = self.take(-(-prompt // PAGE_SIZE))
+        log.alloc("full", pages, rid)
+        recv = self.pin(pages, "receive")
+        yield
+        log.unpin("full", pages, recv)
+        abort_at = rng.randint(0, output) if rng.random() < 0.05 else -1
+        offload: list[tuple[int, list[int]]] = []
+        for token in range(prompt, prompt + output):
+            if token % PAGE_SIZE == 0:
+                page = self.take(1)
+                if page is None:
+                    abort_at = token - prompt
+                else:
+                    log.alloc("full", page, rid)
+                    pages += page
+                full = token // PAGE_SIZE
+                if full % 4 == 0 and full >= 4:
+                    chunk = pages[full - 4:full]
+                    offload.append((self.pin(chunk, "offload"), chunk))
+            if offload and rng.random() < 0.2:
+                pin_id, chunk = offload.pop(0)
+                log.unpin("full", chunk, pin_id)
+            if token - prompt == abort_at:
+                break
+            yield
+        yield from self.finish(rid, pages, prompt + output, abort_at >= 0, offload)
+
+    def finish(self, rid: str, pages: list[int], length: int, aborted: bool,
+               offload: list[tuple[int, list[int]]]) -> Iterator[None]:
+        committed = -(-(length - 3) // PAGE_SIZE) * PAGE_SIZE  # 3 draft tokens
+        keep = 0
+        if not aborted and self.rng.random() < 0.1:
+            keep = min(8, len(pages) - 1)
+            self.log.handoff("full", pages[:keep], rid, CACHE)
+            self.cache.append(pages[:keep])
+        reason = "aborted" if aborted else "finished"
+        self.log.free("full", pages[keep:], rid, reason,
+                      ranges=[(keep * PAGE_SIZE, committed), (committed, length)])
+        yield
+        for pin_id, chunk in offload:  # copies still in flight when the row was freed
+            self.log.unpin("full", chunk, pin_id)
+            pending = [p for p in chunk if pages.index(p) >= keep]
+            if pending:
+                self.log.release("full", pending)
+                self.free += pending
+        pinned = {p for _, chunk in offload for p in chunk}
+        self.free += [p for p in pages[keep:] if p not in pinned]
+
+    def evict_cache(self) -> None:
+        if self.cache:
+            prefix = self.cache.pop(0)
+            self.log.free("full", prefix, CACHE, "evicted")
+            self.free += prefix
+
+
+def write_log(path: str, num_events: int, seed: int = 0, concurrency: int = 64) -> int:
+    """Write a log of about ``num_events`` events; returns the exact count."""
+    log = FreeLogWriter(path, node="bench-decode",
+                        pools={"full": {"num_pages": NUM_PAGES, "page_size": PAGE_SIZE,
+                                        "reserved": [0]}})
+    work = _Workload(log, seed)
+    active: list[Iterator[None]] = []
+    rid = 0
+    while log._seq < num_events:  # the writer's own event counter
+        while len(active) < concurrency:
+            active.append(work.request(f"req-{rid}"))
+            rid += 1
+        i = work.rng.randrange(len(active))
+        if next(active[i], StopIteration) is StopIteration:
+            active[i] = active[-1]
+            active.pop()
+    for req in active:  # drain: let every request finish
+        for _ in req:
+            pass
+    while work.cache:
+        work.evict_cache()
+    log.close(retained=[CACHE])
+    return log._seq
+
+
+def bare_decode(path: str) -> int:
+    """The baseline: iterate a msgpack Unpacker over the file, nothing else."""
+    count = 0
+    with open(path, "rb") as f:
+        for _ in msgpack.Unpacker(f, read_size=1 << 20, raw=False):
+            count += 1
+    return count
+
+
+def _timed(fn, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def run(num_events: int, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.freelog")
+        t0 = time.perf_counter()
+        events = write_log(path, num_events)
+        gen_s = time.perf_counter() - t0
+        size = os.path.getsize(path)
+        bare_s, records = _timed(lambda: bare_decode(path), repeats)
+        replay_s, report = _timed(lambda: replay_file(path), repeats)
+    assert report.ok, report.format()
+    assert records == events + 1, (records, events)  # + the header
+    pages = report.pools["full"]
+    return {"events": events, "file_mib": round(size / 2**20, 1),
+            "generate_s": round(gen_s, 2), "repeats": repeats,
+            "bare_decode_s": round(bare_s, 3), "replay_s": round(replay_s, 3),
+            "bare_events_per_s": round(events / bare_s),
+            "replay_events_per_s": round(events / replay_s),
+            "ratio": round(bare_s / replay_s, 3), "goal_ratio": 0.25,
+            "pages_allocated": pages["pages_allocated"],
+            "pages_per_event": round((pages["pages_allocated"] + pages["pages_freed"]) * 2
+                                     / events, 2),
+            "peak_in_use": pages["peak_in_use"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=2_000_000,
+                        help="events in the generated log (default 2000000)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each side; medians are reported (default 3)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    result = run(args.events, args.repeats)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    out = io.StringIO()
+    print(f"log: {result['events']:,} events, {result['file_mib']} MiB "
+          f"(written in {result['generate_s']} s)", file=out)
+    print(f"bare msgpack decode: {result['bare_events_per_s']:,} events/s "
+          f"(median {result['bare_decode_s']} s of {args.repeats})", file=out)
+    print(f"pdkv replay:         {result['replay_events_per_s']:,} events/s "
+          f"(median {result['replay_s']} s of {args.repeats})", file=out)
+    verdict = "meets" if result["ratio"] >= result["goal_ratio"] else "MISSES"
+    print(f"ratio replay/bare:   {result['ratio']:.3f}x ({verdict} the goal of >= 0.25x)",
+          file=out)
+    print(out.getvalue(), end="")
+
+
+if __name__ == "__main__":
+    main()
