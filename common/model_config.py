@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -78,6 +78,10 @@ class ModelConfig:
         return KvLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, dtype=self.dtype,
                         num_draft_layers=self.num_draft_layers if with_draft else 0)
+
+    def to_dict(self) -> dict:
+        """Plain fields (msgpack/JSON-safe); ``ModelConfig(**d)`` rebuilds and validates."""
+        return asdict(self)
 
     def with_overrides(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed (validated again), e.g. ``dtype="float64"``."""

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.kv_cache import KvCache
+from common.kv_record import KvRecord
 from common.model import Model
+from common.model_config import ModelConfig
 
 PACK_MAX_QUERY = 16
 """Items with at most this many new tokens share one padded attention call."""
@@ -42,7 +45,7 @@ class BatchItem:
     the pool holds this model's K/V of positions ``[0, start)`` of the row.
     """
 
-    kv: object
+    kv: KvRecord
     """The request's ``KvRecord``."""
     token_ids: torch.Tensor | list[int]
     """The new tokens, at positions [start, start + n) of the row; n >= 1."""
@@ -88,7 +91,7 @@ class ModelRunner:
             either value of ``with_draft`` (without draft layers ``draft=True`` fails).
     """
 
-    def __init__(self, model: Model, cache: object) -> None:
+    def __init__(self, model: Model, cache: KvCache) -> None:
         cfg, layout = model.config, cache.layout
         if layout not in (cfg.kv_layout(True), cfg.kv_layout(False)):
             raise ValueError(f"KV layout {layout} does not fit model {cfg.name!r}: expected "
@@ -176,7 +179,7 @@ class ModelRunner:
                 for m in members]
 
 
-def _validate(batch: list[BatchItem], cfg: object) -> None:
+def _validate(batch: list[BatchItem], cfg: ModelConfig) -> None:
     if not batch:
         raise ValueError("empty batch")
     rows = [item.kv.row for item in batch]

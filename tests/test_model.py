@@ -208,3 +208,49 @@ def test_generate_greedy_is_deterministic_and_page_size_free(model: Model) -> No
     assert generate_greedy(model, prompts, 0) == [[], [], []]
     with pytest.raises(ValueError, match="at least one token"):
         generate_greedy(model, [[]], 4)
+
+
+def test_config_round_trips_and_positions_are_bounded() -> None:
+    cfg = get_config("small", dtype="float64")
+    assert ModelConfig(**cfg.to_dict()) == cfg
+    m = Model(F64.with_overrides(max_position=8))
+    runner = ModelRunner(m, make_cache(m, 4))
+    kv = runner.cache.open_row("r")
+    runner.cache.extend(kv, 9)
+    with pytest.raises(ValueError, match="max_position=8"):
+        runner.forward([BatchItem(kv, prompt(9), 0)])
+
+
+def speculate(runner: ModelRunner, prompt_ids: list[int], max_new: int, k: int) -> list[int]:
+    """Greedy self-speculative decoding of one request (how issue 5 uses the runner)."""
+    cache, kv = runner.cache, runner.cache.open_row("spec")
+    cache.extend(kv, len(prompt_ids))
+    runner.forward([BatchItem(kv, prompt_ids, 0)], draft=True)
+    out = [int(runner.forward([BatchItem(kv, prompt_ids, 0)])[0].argmax())]
+    draft_len = len(prompt_ids)  # positions [0, draft_len) hold valid draft KV
+    while len(out) < max_new:
+        seq = prompt_ids + out  # the last token has no KV yet, in either model
+        cache.extend(kv, len(seq) + k - kv.allocated_len)  # k lookahead slots
+        proposals, feed, pos = [], seq[draft_len:], draft_len
+        for _ in range(k):
+            logits = runner.forward([BatchItem(kv, feed, pos)], draft=True)
+            pos += len(feed)
+            feed = [int(logits[0].argmax())]
+            proposals.append(feed[0])
+        verify = runner.forward_all([BatchItem(kv, [out[-1]] + proposals, len(seq) - 1)])
+        greedy = verify[0].argmax(-1).tolist()  # [k + 1]
+        accepted = 0
+        while accepted < k and proposals[accepted] == greedy[accepted]:
+            accepted += 1
+        out += proposals[:accepted] + [greedy[accepted]]
+        draft_len = len(seq) + min(accepted, k - 1)
+    return out[:max_new]
+
+
+@pytest.mark.parametrize("k,page_size", [(1, 1), (2, 16), (4, 16)])
+def test_speculative_decoding_reproduces_reference(model: Model, k: int, page_size: int
+                                                   ) -> None:
+    prompt_ids = prompt(19, seed=5)
+    want = generate_greedy(model, [prompt_ids], 24)[0]
+    runner = ModelRunner(model, make_cache(model, page_size, num_pages=80))
+    assert speculate(runner, prompt_ids, 24, k) == want
