@@ -69,7 +69,6 @@ class Endpoint(ABC):
             if peer.lost:
                 continue
             if peer.expired(now):
-                self.stats["peers_lost"] += 1
                 self._lose(peer, f"silent for {now - peer.last_seen:.2f}s "
                                  f"(lease {peer.hello.lease_ms} ms)")
             elif now >= peer.next_heartbeat:
@@ -83,6 +82,7 @@ class Endpoint(ABC):
         if peer.lost:
             return
         peer.lost = True
+        self.stats["peers_lost"] += 1
         logger.error("%s: peer %s lost: %s", self.config.node, peer.name, why)
         self._on_peer_lost(peer, why)
         self._emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)

@@ -94,21 +94,27 @@ class KvSender(Endpoint):
             self._release_pins(out)
         return self._take_events()
 
-    def send(self, rid: str, kv, upto: int) -> None:
+    def send(self, rid: str, kv, upto: int) -> bool:
         """Hand positions ``[0, upto)`` of ``kv``'s row to the transport (full pages only;
         a partial last page waits for ``finish``). Pins them; sends once accepted.
 
-        Raises:
-            KeyError: ``rid`` was aborted or failed (its final event was emitted).
+        Returns:
+            False (nothing pinned) when ``rid`` was aborted or failed; its final event is
+            or will be in ``poll``'s answer, and the worker frees the row then.
         """
         out = self._outgoing_for_send(rid, kv)
+        if out is None:
+            return False
         self._hand_over(out, upto // self.cache.page_size)
         self._flush(out)
+        return True
 
-    def finish(self, rid: str, kv, first_token: int) -> None:
+    def finish(self, rid: str, kv, first_token: int) -> bool:
         """Hand over the whole prompt (``kv.allocated_len`` >= prompt length) and send
-        ``Done`` with ``first_token`` once every block is queued."""
+        ``Done`` with ``first_token`` once every block is queued. Returns as ``send``."""
         out = self._outgoing_for_send(rid, kv)
+        if out is None:
+            return False
         out.finished, out.first_token = True, int(first_token)
         if out.state == OutState.ASSEMBLING:
             # the prompt length arrives with the Announce; hand over what the row holds
@@ -116,6 +122,7 @@ class KvSender(Endpoint):
         else:
             self._hand_over(out, out.total_blocks)
         self._flush(out)
+        return True
 
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards every decode rank; pins stay until each acknowledges or
@@ -297,12 +304,13 @@ class KvSender(Endpoint):
         return out.legs[peer.key]
 
     # -- outgoing ------------------------------------------------------------------------
-    def _outgoing_for_send(self, rid: str, kv) -> Outgoing:
+    def _outgoing_for_send(self, rid: str, kv) -> Outgoing | None:
         out = self.transfers.get(rid)
         if out is None and rid not in self._recent:
             out = self.transfers[rid] = Outgoing(rid)
         if out is None or out.state.is_final:
-            raise KeyError(f"{rid!r} was aborted or failed; stop sending it")
+            self.stats["sends_after_final"] += 1
+            return None
         out.kv = kv
         out.t_progress = time.monotonic()
         return out
