@@ -1,0 +1,316 @@
+"""Stories for ``pdkv replay``: hand-made free logs and what replay says about them.
+
+Pool ``full`` has 16 pages of 4 slots; page 0 is reserved. Logs are written with raw
+msgpack so that each story can break the rules the real writer never breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from common.freelog import FreeLogWriter
+from common.freelog_reader import UnreadableLog
+from common.replay import ReplayReport, main, replay_file
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER = {"format": "pdkv-freelog", "version": 1, "node": "decode-0",
+          "pools": {"full": {"num_pages": 16, "page_size": 4, "reserved": [0]}},
+          "created_unix_ns": 1}
+
+
+def write_log(path: Path, events: list[dict], header: dict | None = None,
+              tail: bytes = b"") -> Path:
+    """Number the events (unless they carry a seq) and write them after the header."""
+    packer = msgpack.Packer(use_bin_type=True)
+    with open(path, "wb") as f:
+        f.write(packer.pack(HEADER if header is None else header))
+        for seq, ev in enumerate(events):
+            ev = {"seq": seq, "t_ns": 1000 * seq, "pool": "full", **ev}
+            ev["pages"] = np.asarray(ev.get("pages", []), dtype="<i4").tobytes()
+            f.write(packer.pack(ev))
+        f.write(tail)
+    return path
+
+
+def alloc(owner, *pages):
+    return {"op": "alloc", "owner": owner, "pages": list(pages)}
+
+
+def free(owner, *pages, reason="finished"):
+    return {"op": "free", "owner": owner, "reason": reason, "pages": list(pages)}
+
+
+def pin(pin_id, *pages, reason="send"):
+    return {"op": "pin", "pin": pin_id, "reason": reason, "pages": list(pages)}
+
+
+def unpin(pin_id, *pages):
+    return {"op": "unpin", "pin": pin_id, "pages": list(pages)}
+
+
+def release(*pages):
+    return {"op": "release", "pages": list(pages)}
+
+
+def close(*retained):
+    return {"op": "close", "pool": "", "retained": list(retained)}
+
+
+def replay(tmp_path: Path, events: list[dict], **kw) -> ReplayReport:
+    return replay_file(write_log(tmp_path / "log.freelog", events, **kw))
+
+
+def only_violation(report: ReplayReport):
+    assert report.num_violations == 1, report.format()
+    return report.violations[0]
+
+
+# -- clean logs ------------------------------------------------------------------------------
+def test_a_request_sent_while_pinned_replays_clean(tmp_path):
+    report = replay(tmp_path, [
+        alloc("req-1", 1, 2, 3),
+        pin(7, 1, 2, 3),
+        free("req-1", 1, 2, 3, reason="sent"),  # pages pending until the unpin
+        unpin(7, 1, 2, 3),
+        release(1, 2, 3),
+        alloc("req-2", 3, 2),
+        {"op": "handoff", "owner": "req-2", "to": "cache:prefix", "pages": [3]},
+        free("req-2", 2),
+        close("cache:prefix"),
+    ])
+    assert report.ok and report.exit_code == 0, report.format()
+    assert report.closed and report.close_seq == 8 and report.events == 9
+    full = report.pools["full"]
+    assert full["pages_allocated"] == 5 and full["pages_freed"] == 4
+    assert full["pages_released"] == 3 and full["peak_in_use"] == 3
+    assert full["in_use_at_end"] == 1  # page 3, held by the retained cache
+    assert full["frees_by_reason"] == {"finished": {"events": 1, "pages": 1},
+                                       "sent": {"events": 1, "pages": 3}}
+    assert report.warnings == []
+
+
+def test_the_real_writer_log_replays_clean(tmp_path):
+    path = tmp_path / "writer.freelog"
+    log = FreeLogWriter(path, node="prefill-0",
+                        pools={"full": {"num_pages": 16, "page_size": 4, "reserved": [0]},
+                               "swa": {"num_pages": 8, "page_size": 4, "reserved": [0]}})
+    log.alloc("full", np.array([4, 5]), "req-9")
+    log.alloc("swa", np.array([1]), "req-9")
+    log.pin("full", np.array([4, 5]), 1, "send")
+    log.free("full", np.array([4, 5]), "req-9", "sent", ranges=[(0, 6)])
+    log.free("swa", np.array([1]), "req-9", "sent")
+    log.unpin("full", np.array([4, 5]), 1)
+    log.release("full", np.array([4, 5]))
+    log.close()
+    report = replay_file(path)
+    assert report.ok, report.format()
+    assert set(report.pools) == {"full", "swa"} and report.events == 8
+
+
+# -- violations ------------------------------------------------------------------------------
+def test_double_free_names_the_page_and_the_previous_free(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 5, 6), free("req-1", 5, 6),
+                               free("req-1", 6), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page, v.owner) == ("double-free", 2, 6, "req-1")
+    assert v.last == {"seq": 1, "op": "free", "owner": "req-1"}
+    assert report.exit_code == 1
+
+
+def test_free_by_a_foreign_owner(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 4), alloc("req-2", 9),
+                               free("req-2", 4, 9), free("req-1", 4), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page, v.owner) == ("foreign-free", 2, 4, "req-2")
+    assert "owned by req-1" in v.message
+    assert v.last == {"seq": 0, "op": "alloc", "owner": "req-1"}
+
+
+def test_reuse_of_a_page_freed_while_pinned(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 3), pin(1, 3, reason="offload"),
+                               free("req-1", 3, reason="aborted"),
+                               alloc("req-2", 3),  # the copy still reads page 3
+                               unpin(1, 3), release(3), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page, v.owner) == ("reuse-while-pinned", 3, 3, "req-2")
+    assert "pending" in v.message
+    assert v.last == {"seq": 2, "op": "free", "owner": "req-1"}
+
+
+def test_double_allocation(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 2), alloc("req-2", 2), free("req-1", 2),
+                               close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page, v.owner) == ("double-alloc", 1, 2, "req-2")
+
+
+def test_pin_of_a_free_page(tmp_path):
+    report = replay(tmp_path, [pin(4, 8), unpin(4, 8), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page) == ("pin-free-page", 0, 8)
+
+
+def test_unpin_of_an_unknown_pin(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 1), pin(1, 1), unpin(1, 1), unpin(1, 1),
+                               free("req-1", 1), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page) == ("unknown-unpin", 3, 1)
+
+
+def test_release_must_follow_the_last_unpin_and_list_exactly_the_pending_pages(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 1, 2), pin(1, 1, 2),
+                               free("req-1", 1, 2), unpin(1, 1, 2), release(1), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page) == ("release-mismatch", 4, 2)
+    assert report.pools["full"]["in_use_at_end"] == 0  # both are free after the unpin
+
+    missing = replay(tmp_path, [alloc("req-1", 1), pin(1, 1), free("req-1", 1),
+                                unpin(1, 1), alloc("req-2", 1), close("req-2")])
+    v = only_violation(missing)
+    assert (v.kind, v.seq, v.pages) == ("missing-release", 4, [1])
+
+
+def test_leak_at_close_names_the_owner_and_its_pages(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", 1), alloc("req-7", 10, 11, 12),
+                               free("req-1", 1), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.owner, v.num_pages, v.pages) == ("leak", 3, "req-7", 3,
+                                                              [10, 11, 12])
+    assert "req-7 still holds 3 page(s)" in report.format()
+
+
+def test_retained_cache_owner_at_close_is_not_a_leak(tmp_path):
+    report = replay(tmp_path, [
+        alloc("req-1", 1, 2),
+        {"op": "handoff", "owner": "req-1", "to": "cache:prefix", "pages": [1, 2]},
+        close("cache:prefix")])
+    assert report.ok, report.format()
+    assert report.retained == ["cache:prefix"]
+
+
+def test_pin_still_live_at_close(tmp_path):
+    report = replay(tmp_path, [alloc("c", 1), pin(3, 1, reason="send"), close("c")])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page) == ("pinned-at-close", 2, 1)
+
+
+def test_seq_gap_and_seq_not_starting_at_zero(tmp_path):
+    events = [{"seq": 0, **alloc("r", 1)}, {"seq": 1, **free("r", 1)},
+              {"seq": 5, **close()}]
+    v = only_violation(replay(tmp_path, events))
+    assert (v.kind, v.seq) == ("seq-gap", 5)
+    assert "expected 2, got 5" in v.message
+
+    late = replay(tmp_path, [{"seq": 3, **alloc("r", 1)}, {"seq": 4, **free("r", 1)},
+                             {"seq": 5, **close()}])
+    assert only_violation(late).kind == "seq-gap"
+
+
+def test_events_after_close(tmp_path):
+    v = only_violation(replay(tmp_path, [close(), alloc("r", 1)]))
+    assert (v.kind, v.seq) == ("event-after-close", 1)
+
+
+def test_printed_violations_are_capped_but_all_counted(tmp_path, capsys):
+    events = [free("ghost", p) for p in range(1, 16)] * 4 + [close()]
+    path = write_log(tmp_path / "many.freelog", events)
+    report = replay_file(path, max_violations=10)
+    assert report.num_violations == 60 and len(report.violations) == 10
+    assert main(_args(path, max_violations=5)) == 1
+    out = capsys.readouterr().out
+    assert "... and 55 more" in out
+
+
+# -- the end of the log --------------------------------------------------------------------
+def test_torn_tail_is_a_warning(tmp_path):
+    torn = msgpack.packb({"seq": 2, "op": "close", "pool": "", "retained": []})[:-3]
+    report = replay(tmp_path, [alloc("r", 1), free("r", 1)], tail=torn)
+    assert report.ok and report.exit_code == 0, report.format()
+    assert any("torn last record" in w for w in report.warnings)
+    assert any("no close event" in w for w in report.warnings)
+
+
+def test_no_close_is_a_warning_and_held_pages_are_not_leaks(tmp_path):
+    report = replay(tmp_path, [alloc("r", 1, 2)])
+    assert report.ok and not report.closed
+    assert report.warnings == ["no close event: the process did not shut down cleanly "
+                               "(killed?); 2 page(s) in use and 0 live pin(s) at the end "
+                               "are not judged"]
+
+
+@pytest.mark.parametrize("content, expect", [
+    (None, "cannot open"),
+    (b"", "empty file"),
+    (b"this is not msgpack at all", "not a free log"),
+    (b"\xc1\xc1\xc1", "not a msgpack free log"),
+    (msgpack.packb({"format": "pdkv-freelog", "version": 2, "pools": {}}), "version 2"),
+    (msgpack.packb({"format": "pdkv-freelog", "version": 1,
+                    "pools": {"full": {"num_pages": 0, "page_size": 4}}}), "num_pages"),
+])
+def test_unreadable_input_raises_and_exits_2(tmp_path, content, expect):
+    path = tmp_path / "bad.freelog"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UnreadableLog, match=expect):
+        replay_file(path)
+    assert main(_args(path)) == 2
+
+
+def test_unknown_keys_are_ignored(tmp_path):
+    header = {**HEADER, "build": "abc"}
+    report = replay(tmp_path, [{**alloc("r", 1), "trace_id": 7}, free("r", 1), close()],
+                    header=header)
+    assert report.ok, report.format()
+
+
+# -- the command line ------------------------------------------------------------------------
+def _args(*logs, **kw):
+    import argparse
+
+    return argparse.Namespace(logs=[str(p) for p in logs], json=kw.get("json", False),
+                              plot=None, progress=False,
+                              max_violations=kw.get("max_violations", 50))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "replay", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    clean = write_log(tmp_path / "clean.freelog", [alloc("r", 1), free("r", 1), close()])
+    dirty = write_log(tmp_path / "dirty.freelog", [alloc("r", 1), close()])
+    assert _cli(str(clean)).returncode == 0
+    assert _cli(str(clean), str(dirty)).returncode == 1
+    assert _cli(str(clean), str(tmp_path / "missing.freelog")).returncode == 2
+
+    out = _cli("--json", str(clean), str(dirty))
+    report = json.loads(out.stdout)
+    assert (report["ok"], report["exit_code"]) == (False, 1)
+    first, second = report["logs"]
+    assert first["ok"] and first["pools"]["full"]["pages_allocated"] == 1
+    assert second["violations"][0]["kind"] == "leak"
+    assert second["violations"][0]["pages"] == [1]
+
+
+def test_cli_help_lists_every_option():
+    out = _cli("--help").stdout
+    for option in ("--json", "--plot", "--progress", "--no-progress", "--max-violations",
+                   "exit status"):
+        assert option in out
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = write_log(tmp_path / "p.freelog", [alloc("r", 1, 2), free("r", 1, 2), close()])
+    png = tmp_path / "occupancy.png"
+    result = _cli("--plot", str(png), str(log))
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
