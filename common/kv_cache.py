@@ -60,7 +60,11 @@ class KvCache:
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
         self._data = {name: torch.zeros((n, *shape), dtype=self.layout.torch_dtype,
                                         device=self.device) for name, n in sizes.items()}
+        # Row table: page ids by row page index, and which of them the row still holds
+        # (free_kv_row leaves the ids in place, so stale ids must never count as held).
         self._row_pages: dict[str, list[np.ndarray | None]] = {
+            name: [None] * max_rows for name in sizes}
+        self._row_held: dict[str, list[np.ndarray | None]] = {
             name: [None] * max_rows for name in sizes}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._records: dict[str, KvRecord] = {}
@@ -92,8 +96,9 @@ class KvCache:
             if not self._free_rows:
                 raise OutOfPages(f"all {len(self._row_pages['full'])} rows are open")
             row = self._free_rows.pop()
-            for rows in self._row_pages.values():
-                rows[row] = np.zeros(self._max_row_pages, dtype=np.int32)
+            for name in self._pools:
+                self._row_pages[name][row] = np.zeros(self._max_row_pages, dtype=np.int32)
+                self._row_held[name][row] = np.zeros(self._max_row_pages, dtype=bool)
             kv = self._records[owner] = KvRecord(owner=owner, row=row)
             return kv
 
@@ -112,12 +117,18 @@ class KvCache:
                                  f"outside [0, max_row_len={self.max_row_len}]")
             first = ceil_div(kv.allocated_len, self.page_size)
             need = ceil_div(new_len, self.page_size) - first
+            tail_freed = not self._row_held["full"][kv.row][first - 1]
+            if num_tokens and kv.allocated_len % self.page_size and tail_freed:
+                raise ValueError(f"extend({kv.owner!r}): the row's last page (positions from "
+                                 f"{(first - 1) * self.page_size}) was freed; lower "
+                                 "allocated_len before extending the row again")
             for name, pool in self._pools.items():
                 if not pool.can_allocate(need):
                     raise OutOfPages(f"{kv.owner!r} needs {need} pages of pool {name!r}, "
                                      f"{pool.num_free} free")
             for name, pool in self._pools.items():
                 self._row_pages[name][kv.row][first:first + need] = pool.allocate(need, kv.owner)
+                self._row_held[name][kv.row][first:first + need] = True
             kv.allocated_len = new_len
 
     def commit(self, kv: KvRecord, num_tokens: int) -> None:
@@ -133,14 +144,14 @@ class KvCache:
         """Return the row slot; the pages must have been freed (or handed off) first."""
         with self._lock:
             self._check_open(kv)
-            for name, pool in self._pools.items():
-                pages = self._row_pages[name][kv.row][:ceil_div(kv.allocated_len, self.page_size)]
-                held = pages[pool.not_owned(pages, kv.owner)] if len(pages) else pages
-                if len(held) != len(pages):
-                    raise ValueError(f"close_row({kv.owner!r}): the row still holds "
-                                     f"{len(pages) - len(held)} pages of pool {name!r}; "
-                                     "free them with free_kv_row first")
-                self._row_pages[name][kv.row] = None
+            for name in self._pools:
+                held = int(np.count_nonzero(self._row_held[name][kv.row]))
+                if held:
+                    raise ValueError(f"close_row({kv.owner!r}): the row still holds {held} "
+                                     f"pages of pool {name!r}; free them with free_kv_row "
+                                     "first")
+            for name in self._pools:
+                self._row_pages[name][kv.row] = self._row_held[name][kv.row] = None
             del self._records[kv.owner]
             self._free_rows.append(kv.row)
             kv.row = -1
@@ -181,9 +192,9 @@ class KvCache:
             if not merged:
                 return
             check_ranges(merged, self.page_size, kv.allocated_len, kv.protected_len)
-            plan = self._free_plan(kv, merged)
-            for pool, pages in plan:
+            for pool, idx, pages in self._free_plan(kv, merged):
                 pool.free(pages, kv.owner, reason, merged)
+                self._row_held[pool.name][kv.row][idx] = False
 
     def evict_window(self, kv: KvRecord, upto: int) -> None:
         """Free the sliding-window pages of whole pages below position ``upto``."""
@@ -199,9 +210,10 @@ class KvCache:
             if floor <= kv.swa_evicted_seqlen:
                 return
             idx = np.arange(kv.swa_evicted_seqlen // self.page_size, floor // self.page_size)
-            pages = self._owned_pages(kv, "swa", idx, [(kv.swa_evicted_seqlen, floor)])
+            pages = self._held_pages(kv, "swa", idx, [(kv.swa_evicted_seqlen, floor)])
             pool.free(pages, kv.owner, "evicted", [(kv.swa_evicted_seqlen, floor)])
             self._row_pages["swa"][kv.row][idx] = 0
+            self._row_held["swa"][kv.row][idx] = False
             kv.swa_evicted_seqlen = floor
 
     def handoff(self, kv: KvRecord, end: int, to: str) -> None:
@@ -214,8 +226,9 @@ class KvCache:
             check_ranges(merged, self.page_size, kv.allocated_len, kv.protected_len)
             if end % self.page_size and end != kv.allocated_len:
                 raise RangeError(f"handoff end {end} must be page-aligned")
-            for pool, pages in self._free_plan(kv, merged):
+            for pool, idx, pages in self._free_plan(kv, merged):
                 pool.handoff(pages, kv.owner, to)
+                self._row_held[pool.name][kv.row][idx] = False
             kv.protected_len = max(kv.protected_len, end)
 
     def free_pages(self, owner: str, pages: np.ndarray, *, reason: str,
@@ -232,10 +245,13 @@ class KvCache:
             allocator.free(pages, owner, reason)
 
     def _free_plan(self, kv: KvRecord, merged: list[tuple[int, int]]
-                   ) -> list[tuple[PageAllocator, np.ndarray]]:
-        """Pages to give back per pool, checked to be held by ``kv``; raises before any change."""
+                   ) -> list[tuple[PageAllocator, np.ndarray, np.ndarray]]:
+        """(pool, row page indices, page ids) to give back, checked to be held by ``kv``.
+
+        Raises before anything changes.
+        """
         idx = page_indices(merged, self.page_size)
-        plan = [(self._pools["full"], self._owned_pages(kv, "full", idx, merged))]
+        plan = [(self._pools["full"], idx, self._held_pages(kv, "full", idx, merged))]
         if "swa" in self._pools:
             floor = kv.swa_evicted_seqlen
             below, above = merged[0][0] < floor, merged[-1][1] > floor
@@ -243,20 +259,21 @@ class KvCache:
                 raise RangeError(f"ranges {merged} straddle swa_evicted_seqlen={floor}, "
                                  "which is not page-aligned")
             swa_idx = idx[idx >= floor // self.page_size] if above else idx[:0]
-            plan.append((self._pools["swa"], self._owned_pages(kv, "swa", swa_idx, merged)))
-        return [(pool, pages) for pool, pages in plan if len(pages)]
+            plan.append((self._pools["swa"], swa_idx,
+                         self._held_pages(kv, "swa", swa_idx, merged)))
+        return [entry for entry in plan if len(entry[1])]
 
-    def _owned_pages(self, kv: KvRecord, pool: str, idx: np.ndarray,
-                     merged: list[tuple[int, int]]) -> np.ndarray:
+    def _held_pages(self, kv: KvRecord, pool: str, idx: np.ndarray,
+                    merged: list[tuple[int, int]]) -> np.ndarray:
+        """Page ids at row page indices ``idx``; raises ``RangeError`` if one is not held."""
         pages = self._row_pages[pool][kv.row][idx]
-        bad = self._pools[pool].not_owned(pages, kv.owner)
+        bad = np.flatnonzero(~self._row_held[pool][kv.row][idx])
         if len(bad):
             page, index = int(pages[bad[0]]), int(idx[bad[0]])
             start, end = range_of_index(merged, self.page_size, index)
-            now = self._pools[pool].owner_name(page)
             raise RangeError(f"range ({start}, {end}) of {kv.owner!r} covers page {page} of "
-                             f"pool {pool!r}, which {kv.owner!r} does not hold (now {now}): "
-                             "a double free or a foreign free")
+                             f"pool {pool!r} (row page {index}), which the row no longer "
+                             "holds: a double free, or a page handed to a cache")
         return pages
 
     # -- pins ---------------------------------------------------------------------------
@@ -318,12 +335,12 @@ class KvCache:
                 pool.check_integrity()
                 for kv in self._records.values():
                     kv.check()
-                    pages = self._row_pages[name][kv.row][:ceil_div(kv.allocated_len,
-                                                                    self.page_size)]
-                    mine = np.delete(pages, pool.not_owned(pages, kv.owner))
-                    held = pool.pages_owned_by(kv.owner)
-                    assert len(np.unique(mine)) == len(mine) == len(held), (
-                        f"{name}: {kv.owner!r} holds {len(held)} pages, its row maps "
+                    mine = self._row_pages[name][kv.row][self._row_held[name][kv.row]]
+                    assert not len(pool.not_owned(mine, kv.owner)), (
+                        f"{name}: {kv.owner!r} row holds pages it does not own")
+                    owned = pool.pages_owned_by(kv.owner)
+                    assert len(np.unique(mine)) == len(mine) == len(owned), (
+                        f"{name}: {kv.owner!r} owns {len(owned)} pages, its row holds "
                         f"{len(mine)} ({len(np.unique(mine))} distinct)")
 
     # -- checks -------------------------------------------------------------------------

@@ -107,11 +107,23 @@ def test_double_free_is_rejected_and_frees_nothing_of_the_call(cache):
     kv = cache.open_row("r1")
     cache.extend(kv, 16)  # pages 1..4
     cache.free_kv_row(kv, [(4, 8)])  # page 2
-    message = r"range \(0, 12\) .* covers page 2 .*now <free>.*double free"
+    message = r"range \(0, 12\) .* covers page 2 .*no longer holds: a double free"
     with pytest.raises(RangeError, match=message):
         cache.free_kv_row(kv, [(0, 12)])
     assert cache.num_free_pages() == 31 - 3
     cache.free_kv_row(kv, [(0, 4), (8, 16)])
+    assert cache.num_free_pages() == 31
+
+
+def test_double_free_is_caught_even_after_the_page_came_back_to_the_same_row(cache):
+    kv = cache.open_row("r1")
+    cache.extend(kv, 4)  # page 1
+    cache.free_kv_row(kv, [(0, 4)], reason="trimmed")
+    cache.extend(kv, 4)  # positions 4..7 get page 1 again (last freed, first reused)
+    assert pages(cache, kv, 0, 8) == [1, 1]  # position 0..3 still shows the stale id
+    with pytest.raises(RangeError, match=r"range \(0, 4\) .* covers page 1 .*row page 0"):
+        cache.free_kv_row(kv, [(0, 4)])
+    cache.free_kv_row(kv, [(4, 8)])
     assert cache.num_free_pages() == 31
 
 
