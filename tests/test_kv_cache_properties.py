@@ -264,10 +264,7 @@ class _raises:
 
 
 def _assert_replays_clean(log: Path) -> None:
-    try:
-        from common.replay import replay_file
-    except ImportError:  # TEMP
-        return
+    from common.replay import replay_file
 
     report = replay_file(log)
     assert report.ok, report.violations[:5]
