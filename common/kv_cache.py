@@ -127,8 +127,10 @@ class KvCache:
                     raise OutOfPages(f"{kv.owner!r} needs {need} pages of pool {name!r}, "
                                      f"{pool.num_free} free")
             for name, pool in self._pools.items():
-                self._row_pages[name][kv.row][first:first + need] = pool.allocate(need, kv.owner)
-                self._row_held[name][kv.row][first:first + need] = True
+                if need:
+                    self._row_pages[name][kv.row][first:first + need] = pool.allocate(
+                        need, kv.owner)
+                    self._row_held[name][kv.row][first:first + need] = True
             kv.allocated_len = new_len
 
     def commit(self, kv: KvRecord, num_tokens: int) -> None:
