@@ -68,27 +68,29 @@ class _Workload:
         recv = self.pin(pages, "receive")
         yield
         log.unpin("full", pages, recv)
-        abort_at = rng.randint(0, output) if rng.random() < 0.05 else -1
+        length = prompt + output
+        abort_at = rng.randint(prompt, length) if rng.random() < 0.05 else -1
         offload: list[tuple[int, list[int]]] = []
-        for token in range(prompt, prompt + output):
-            if token % PAGE_SIZE == 0:
-                page = self.take(1)
-                if page is None:
-                    abort_at = token - prompt
-                else:
-                    log.alloc("full", page, rid)
-                    pages += page
-                full = token // PAGE_SIZE
-                if full % 4 == 0 and full >= 4:
-                    chunk = pages[full - 4:full]
-                    offload.append((self.pin(chunk, "offload"), chunk))
-            if offload and rng.random() < 0.2:
+        # Decode one page of tokens per step: a page is allocated when the row crosses
+        # into it, and every fourth full page starts an offload copy of the last four.
+        for start in range(-(-prompt // PAGE_SIZE) * PAGE_SIZE, length, PAGE_SIZE):
+            page = self.take(1)
+            if page is None:
+                abort_at = start
+            else:
+                log.alloc("full", page, rid)
+                pages += page
+            full = start // PAGE_SIZE
+            if full % 4 == 0:
+                chunk = pages[full - 4:full]
+                offload.append((self.pin(chunk, "offload"), chunk))
+            if offload and rng.random() < 0.6:
                 pin_id, chunk = offload.pop(0)
                 log.unpin("full", chunk, pin_id)
-            if token - prompt == abort_at:
+            if abort_at >= 0 and start >= abort_at:
                 break
             yield
-        yield from self.finish(rid, pages, prompt + output, abort_at >= 0, offload)
+        yield from self.finish(rid, pages, length, abort_at >= 0, offload)
 
     def finish(self, rid: str, pages: list[int], length: int, aborted: bool,
                offload: list[tuple[int, list[int]]]) -> Iterator[None]:

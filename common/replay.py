@@ -1,12 +1,13 @@
 """``pdkv replay``: verify free logs offline (DESIGN.md section 4, docs/freelog.md).
 
 Replay rebuilds every pool page by page from the recorded events and reports each
-violation with the event's seq, the page, the owner and the last event that touched the
-page. Memory is bounded by the pool sizes: one int64 state word, one pin count and one
-"last touch" word per page, the live pins, and an owner table that is compacted when it
+violation with the event's seq, the page, the owner and the last event that changed the
+page (alloc, free, release, handoff; pins are reported through the live pin table).
+Memory is bounded by the pool sizes: one state word, one pin count and one "last
+change" word per page, the live pins, and an owner table that is compacted when it
 outgrows the pools.
 
-Page states, packed with the owner id into one int64 per page (``owner_id << 2 | state``)
+Page states, packed with the owner id into one int per page (``owner_id << 2 | state``)
 so that "does this owner hold this page" is a single comparison:
 
     FREE      on the free list (the owner id is the last owner, for messages)
@@ -14,10 +15,10 @@ so that "does this owner hold this page" is a single comparison:
     PENDING   freed by its owner while pinned; free again at the last unpin (+ release)
     RESERVED  never allocated (page 0, and the header's reserved list)
 
-Speed: the hot loop keeps numpy out of small events (a numpy call costs about a
-microsecond, a page in a Python loop about a tenth of that) and reads the state arrays
-through memoryviews. Any page that fails a check sends the event to a slow path that
-diagnoses every page; the slow path is never on the way of a clean log.
+Speed: the hot loop keeps per-page state in Python lists and numpy out of the way (a
+numpy call costs about a microsecond, a list item a few tens of nanoseconds, half the
+cost of a memoryview item over a numpy array). Any page that fails a check sends the
+event to a slow path that diagnoses every page; a clean log never takes it.
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ class ReplayReport:
 
 
 class _Pool:
-    """The replayed state of one pool: arrays indexed by page id, and its counters."""
+    """The replayed state of one pool: lists indexed by page id, and its counters."""
+
+    __slots__ = ("info", "own", "pins", "last", "capacity", "live", "in_use", "peak",
+                 "peak_seq", "pages_allocated", "pages_freed", "pages_released",
+                 "pages_handed_off", "counts", "freed_by_reason", "pins_by_reason")
 
     def __init__(self, info: PoolInfo):
         n = info.num_pages
@@ -254,9 +259,9 @@ class Replayer:
             else:
                 n = len(pages)
                 ps.pages_allocated += n
-                ps.in_use += n
-                if ps.in_use > ps.peak:
-                    ps.peak, ps.peak_seq = ps.in_use, seq
+                in_use = ps.in_use = ps.in_use + n
+                if in_use > ps.peak:
+                    ps.peak, ps.peak_seq = in_use, seq
                 ps.counts["alloc"] += 1
                 return
         except IndexError:  # a page id out of range

@@ -314,3 +314,29 @@ def test_plot_writes_a_png(tmp_path):
     result = _cli("--plot", str(png), str(log))
     assert result.returncode == 0, result.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- scale: long events, many owners -------------------------------------------------------
+def test_events_longer_than_the_fast_table(tmp_path):
+    header = {**HEADER, "pools": {"full": {"num_pages": 1024, "page_size": 4,
+                                           "reserved": [0]}}}
+    pages = list(range(1, 601))
+    report = replay(tmp_path, [alloc("big", *pages), pin(1, *pages), free("big", *pages),
+                               unpin(1, *pages), release(*reversed(pages)),
+                               free("big", 600), close()], header=header)
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.page) == ("double-free", 5, 600)
+    assert report.pools["full"]["pages_released"] == 600
+
+
+def test_owner_table_is_compacted_and_names_stay_right(tmp_path, monkeypatch):
+    import common.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "CHECK_EVERY", 8)
+    events = []
+    for i in range(200):  # 200 owners over a 15-page pool: compacted several times
+        events += [alloc(f"req-{i}", 1 + i % 15), free(f"req-{i}", 1 + i % 15)]
+    events += [alloc("req-last", 5), free("req-199", 5), close("req-last")]
+    v = only_violation(replay(tmp_path, events))
+    assert (v.kind, v.page, v.owner) == ("foreign-free", 5, "req-199")
+    assert v.last == {"seq": 400, "op": "alloc", "owner": "req-last"}
