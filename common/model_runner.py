@@ -66,7 +66,8 @@ class _Group:
     """Index tensors of one attention call over B items (device tensors)."""
 
     query_index: torch.Tensor  # [B, num_queries] token index into the batch, padded
-    query_valid: torch.Tensor  # [B, num_queries] False on padding
+    valid_src: torch.Tensor  # [num_valid] index into the flattened [B * num_queries]
+    valid_dest: torch.Tensor  # [num_valid] token index into the batch
     key_rows: torch.Tensor  # [B, num_keys] flat-pool row of each key slot at layer 0, padded
     mask: torch.Tensor  # [B, 1, group * num_queries, num_keys] True = may attend
 
@@ -145,19 +146,20 @@ class ModelRunner:
             k = self.flat[g.key_rows + k_row]  # [B, num_keys, kv_heads * dim]
             v = self.flat[g.key_rows + k_row + self.page_size]
             o = _group_attention(q, k, v, g)  # [B, num_queries, heads * dim]
-            out[g.query_index[g.query_valid]] = o[g.query_valid]
+            # Index tensors built on the host: no device sync from boolean masking.
+            out[g.valid_dest] = o.reshape(-1, o.shape[-1])[g.valid_src]
         return out
 
     def _plan(self, batch: list[BatchItem]) -> _Plan:
         _validate(batch, self.model.config)
         ids, positions, slots = [], [], []
+        dev = self.model.device
         for item in batch:
-            ids.append(torch.as_tensor(item.token_ids, dtype=torch.int64).reshape(-1))
+            ids.append(torch.as_tensor(item.token_ids, dtype=torch.int64).reshape(-1).to(dev))
             positions.append(torch.arange(item.start, item.end))
             slots.append(self.cache.slots(item.kv, 0, item.end))  # [end] int64
         writes = self._rows_of(torch.cat([s[it.start:] for s, it in zip(slots, batch)]))
         lengths = [it.num_tokens for it in batch]
-        dev = self.model.device
         return _Plan(token_ids=torch.cat(ids).to(dev), positions=torch.cat(positions).to(dev),
                      write_rows=writes.to(dev), groups=self._groups(batch, slots, lengths),
                      lengths=lengths)
@@ -211,12 +213,14 @@ def _build_group(items: list[BatchItem], rows: list[torch.Tensor], firsts: list[
         q_index[b], q_pos[b] = first + j, it.start + j
         key_rows[b] = r[torch.arange(num_k).clamp(max=it.end - 1)]
     q_valid = torch.arange(num_q) < torch.tensor([it.num_tokens for it in items])[:, None]
+    valid_src = q_valid.reshape(-1).nonzero().reshape(-1)
     k_len = torch.tensor([it.end for it in items])[:, None, None]  # [B, 1, 1]
     k_pos = torch.arange(num_k)
     mask = (k_pos <= q_pos[:, :, None]) & (k_pos < k_len)  # [B, num_q, num_k]
     # Query rows are ordered (group member, query) to match _group_attention's reshape.
     mask = mask[:, None].expand(-1, group_size, -1, -1).reshape(len(items), 1, -1, num_k)
-    return _Group(query_index=q_index.to(device), query_valid=q_valid.to(device),
+    return _Group(query_index=q_index.to(device), valid_src=valid_src.to(device),
+                  valid_dest=q_index.reshape(-1)[valid_src].to(device),
                   key_rows=key_rows.to(device), mask=mask.to(device))
 
 
