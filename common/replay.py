@@ -127,7 +127,7 @@ class _Pool:
 
     __slots__ = ("info", "own", "pins", "last", "capacity", "live", "in_use", "peak",
                  "peak_seq", "pages_allocated", "pages_freed", "pages_released",
-                 "pages_handed_off", "counts", "freed_by_reason", "pins_by_reason")
+                 "pages_handed_off", "counts", "num_allocs", "freed_by_reason", "pins_by_reason")
 
     def __init__(self, info: PoolInfo):
         n = info.num_pages
@@ -147,6 +147,7 @@ class _Pool:
         self.pages_allocated = self.pages_freed = self.pages_released = 0
         self.pages_handed_off = 0
         self.counts = dict.fromkeys(_OPS[1:], 0)
+        self.num_allocs = 0  # the most frequent event: an attribute is cheaper than a dict
         self.freed_by_reason: dict[str, list[int]] = {}  # reason -> [events, pages]
         self.pins_by_reason: dict[str, int] = {}
 
@@ -154,7 +155,7 @@ class _Pool:
         info = self.info
         return {"num_pages": info.num_pages, "page_size": info.page_size,
                 "reserved": len(info.reserved), "capacity": self.capacity,
-                "events": dict(self.counts),
+                "events": {**self.counts, "alloc": self.num_allocs},
                 "pages_allocated": self.pages_allocated, "pages_freed": self.pages_freed,
                 "pages_released": self.pages_released,
                 "pages_handed_off": self.pages_handed_off,
@@ -211,9 +212,9 @@ class Replayer:
         pools, handlers, unpack = self.pools, self._handlers, _UNPACK
         seq_next = count = 0
         check_at = self._stride
+        expect_release = False  # the previous event was an unpin that dropped pages
         try:
-            for ev in self.reader.records:
-                count += 1
+            for count, ev in enumerate(self.reader.records, 1):
                 try:
                     seq, op, raw, ps = ev["seq"], ev["op"], ev["pages"], pools[ev["pool"]]
                     handler = handlers[op]
@@ -222,6 +223,7 @@ class Replayer:
                 except (KeyError, TypeError, struct.error):
                     # close, unknown op or pool, malformed: all rare, all judged slowly.
                     seq_next = self._odd_event(ev, seq_next, count)
+                    expect_release = self._expect is not None
                     if self._closed:
                         count += self._after_close()
                         break
@@ -229,11 +231,12 @@ class Replayer:
                 if seq != seq_next:
                     self._seq_gap(seq, seq_next)
                 seq_next = seq + 1
-                if self._expect is not None and op != "release":
+                if expect_release and op != "release":
                     self._missing_release(seq)
                 try:
-                    handler(ps, pages, ev, seq)
+                    expect_release = handler(ps, pages, ev, seq)
                 except (KeyError, TypeError) as exc:
+                    expect_release = self._expect is not None
                     self._violate(seq, "malformed-event", ev.get("pool", ""),
                                   f"{op} event lacks or mistypes a key ({exc!r})")
                 if count >= check_at:
@@ -262,15 +265,15 @@ class Replayer:
                 in_use = ps.in_use = ps.in_use + n
                 if in_use > ps.peak:
                     ps.peak, ps.peak_seq = in_use, seq
-                ps.counts["alloc"] += 1
-                return
+                ps.num_allocs += 1
+                return None
         except IndexError:  # a page id out of range
             pass
         self._alloc_slow(ps, pages, owner, oid, seq)
 
     @staticmethod
     def _count_alloc(ps: _Pool, n: int, seq: int) -> None:
-        ps.counts["alloc"] += 1
+        ps.num_allocs += 1
         ps.pages_allocated += n
         ps.in_use += n
         if ps.in_use > ps.peak:
@@ -355,6 +358,8 @@ class Replayer:
                 drop.append(p)
         if drop:
             self._expect = (ps, drop, seq)
+            return True
+        return False
 
     def _release(self, ps: _Pool, pages, ev: dict, seq: int) -> None:
         ps.counts["release"] += 1
