@@ -1,0 +1,220 @@
+"""``pdkv bench transfer``: KV transfer throughput between two processes, with raw pyzmq,
+memcpy and pickle baselines measured in the same run.
+
+Layout: 32 layers, 8 KV heads, head dim 128, fp16, page 16 (2 MiB per page, 128 KiB per
+token). Requests larger than the pool (``--pool-tokens``) move as back-to-back requests of
+pool size whose bytes add up to the request's (a 32k-token request is 4 GiB). Each figure
+is the median of ``--repeats`` runs. The decode side runs in a spawned process; the
+prefill side, the memcpy and the senders of the baselines run here.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from common import KvCache, KvLayout
+from transport import EventKind, KvReceiver, KvSender, TransportConfig
+
+LAYOUT = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+PAGE = 16
+RAW_MSG = 8 << 20
+CFG = dict(heartbeat_s=1.0, lease_s=30.0, chunk_timeout_s=60.0, done_timeout_s=600.0)
+
+
+def _cache(tokens: int, node: str) -> KvCache:
+    return KvCache(tokens // PAGE + 2, PAGE, layout=LAYOUT, node=node, max_rows=4)
+
+
+def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
+    per = min(tokens, pool_tokens)
+    return per, max(1, tokens // per)
+
+
+# -- decode child --------------------------------------------------------------------------
+def _child(address: str, plan: list, pool_tokens: int, queue, cmd) -> None:
+    cache = _cache(pool_tokens, "decode")
+    cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
+    rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
+    rx.connect(address)
+    for tokens, repeat in plan:
+        per, rounds = _rounds(tokens, pool_tokens)
+        t0 = time.monotonic()
+        for i in range(rounds):
+            rid = f"{tokens}-{repeat}-{i}"
+            kv = cache.open_row(rid)
+            cache.extend(kv, per)
+            rx.announce(rid, kv, per)
+            while not any(e.kind.is_final for e in rx.poll(0.01) if e.rid == rid):
+                pass
+            cache.free_kv_row(kv, [(0, per)], reason="finished")
+            cache.close_row(kv)
+        queue.put(("pdkv", tokens, time.monotonic() - t0))
+    rx.close()
+    _child_baselines(queue, cmd)
+
+
+def _child_baselines(queue, cmd) -> None:
+    ctx = zmq.Context()
+    while (job := cmd.get()) is not None:
+        kind, address, nbytes, messages = job
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        queue.put(("ready", kind, 0.0))
+        got = 0
+        for _ in range(messages):
+            if kind == "raw":
+                got += len(sock.recv(copy=False).buffer)
+            else:
+                got += sum(t.numel() * t.element_size() for t in sock.recv_pyobj())
+        queue.put((kind, nbytes, time.monotonic()))
+        assert got == nbytes, (got, nbytes)
+        sock.close(linger=0)
+    ctx.term()
+
+
+# -- prefill side and baselines ------------------------------------------------------------
+def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd) -> float:
+    """Seconds to push ``total`` bytes (``src`` repeated) to the child."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    port_addr = sock.bind_to_random_port("tcp://127.0.0.1") if address == "tcp" else None
+    addr = f"tcp://127.0.0.1:{port_addr}" if port_addr else address
+    if port_addr is None:
+        sock.bind(addr)
+    if kind == "raw":
+        msgs = [src[i:i + RAW_MSG] for i in range(0, len(src), RAW_MSG)]
+    else:  # the naive way: pickle each page's tensor
+        pages = torch.from_numpy(src).view(torch.float16).view(-1, *LAYOUT.page_shape(PAGE))
+        # one tensor per page with its own storage (a view would pickle the whole pool)
+        msgs = [[p.clone() for p in pages[i:i + 4]] for i in range(0, len(pages), 4)]
+    reps = max(1, total // len(src))
+    cmd.put((kind, addr, len(src) * reps, len(msgs) * reps))
+    assert queue.get(timeout=60)[0] == "ready"
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    for _ in range(reps):
+        for m in msgs:
+            sock.send(m, copy=False) if kind == "raw" else sock.send_pyobj(m)
+    _, _, t_end = queue.get(timeout=600)
+    sock.close(linger=0)
+    return t_end - t0
+
+
+def _memcpy(src: np.ndarray, total: int) -> float:
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in first
+    t0 = time.perf_counter()
+    for _ in range(max(1, total // len(src))):
+        np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: int,
+                  tmpdir: str) -> dict:
+    """Every measurement for one transport; returns ``{tokens: {figure: value}}``."""
+    cache = _cache(pool_tokens, "prefill")
+    cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
+    address = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/pdkv.sock"
+    tx = KvSender(cache, address, TransportConfig(node="prefill", **CFG))
+    spawn = mp.get_context("spawn")
+    queue, cmd = spawn.Queue(), spawn.Queue()
+    plan = [(t, r) for t in sizes for r in range(repeats)]
+    proc = spawn.Process(target=_child, args=(tx.address, plan, pool_tokens, queue, cmd))
+    proc.start()
+    pdkv: dict[int, list[float]] = {t: [] for t in sizes}
+    rows: dict = {}
+    while len(plan) > sum(map(len, pdkv.values())):
+        _pump(tx, cache, tx.poll(0.02), rows)
+        while not queue.empty():
+            _, tokens, seconds = queue.get()
+            pdkv[tokens].append(seconds)
+    for _ in range(50):
+        _pump(tx, cache, tx.poll(0.01), rows)
+    tx.close()
+    pool_bytes = pool_tokens * LAYOUT.page_bytes(PAGE) // PAGE
+    src = cache.data().view(torch.uint8).numpy().reshape(-1)[:pool_bytes]
+    results = {}
+    for tokens in sizes:
+        nbytes = tokens * LAYOUT.page_bytes(PAGE) // PAGE
+        base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
+        raw = [_baseline("raw", base, src, nbytes, queue, cmd) for _ in range(repeats)]
+        pick = [_baseline("pickle", base, src, min(nbytes, src.nbytes), queue, cmd)
+                for _ in range(max(1, repeats // 2))]
+        mem = [_memcpy(src, nbytes) for _ in range(repeats)]
+        results[tokens] = _figures(nbytes, pdkv[tokens], raw, mem, pick,
+                                   min(nbytes, src.nbytes))
+    cmd.put(None)
+    proc.join(30)
+    return results
+
+
+def _pump(tx: KvSender, cache: KvCache, events: list, rows: dict) -> None:
+    """The prefill worker's part: on READY send the whole (already computed) prompt."""
+    for ev in events:
+        if ev.kind == EventKind.READY:
+            kv = rows[ev.rid] = cache.open_row(ev.rid)
+            cache.extend(kv, ev.prompt_len)
+            tx.finish(ev.rid, kv, first_token=1)
+        elif ev.kind.is_final:
+            kv = rows.pop(ev.rid)
+            cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=ev.reason or "sent")
+            cache.close_row(kv)
+
+
+def _figures(nbytes: int, pdkv: list, raw: list, mem: list, pick: list,
+             pick_bytes: int) -> dict:
+    gb = nbytes / 1e9
+    out = {"bytes": nbytes,
+           "pdkv_gbps": gb / statistics.median(pdkv),
+           "raw_zmq_gbps": gb / statistics.median(raw),
+           "memcpy_gbps": gb / statistics.median(mem),
+           "pickle_gbps": pick_bytes / 1e9 / statistics.median(pick)}
+    out["ratio_vs_raw"] = out["pdkv_gbps"] / out["raw_zmq_gbps"]
+    out["ratio_vs_memcpy"] = out["pdkv_gbps"] / out["memcpy_gbps"]
+    out["ratio_vs_pickle"] = out["pdkv_gbps"] / out["pickle_gbps"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def main(args) -> int:
+    """Entry from ``deploy.cli`` (``pdkv bench transfer``)."""
+    import tempfile
+    sizes = args.sizes or ([1024, 8192] if args.quick else [1024, 8192, 32768])
+    repeats = args.repeats or (2 if args.quick else 5)
+    pool_tokens = args.pool_tokens or (2048 if args.quick else 8192)
+    report = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for transport in args.transports:
+            report[transport] = {str(t): r for t, r in run_transport(
+                transport, sizes, repeats, pool_tokens, tmpdir).items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    print(f"{'transport':9} {'tokens':>6} {'GiB':>5} {'pdkv':>6} {'raw':>6} {'memcpy':>6} "
+          f"{'pickle':>6} {'/raw':>5} {'/memcpy':>7} {'/pickle':>7}   (GB/s, medians)")
+    for transport, sizes in report.items():
+        for tokens, r in sizes.items():
+            print(f"{transport:9} {tokens:>6} {r['bytes'] / 2**30:5.2f} {r['pdkv_gbps']:6.2f} "
+                  f"{r['raw_zmq_gbps']:6.2f} {r['memcpy_gbps']:6.2f} {r['pickle_gbps']:6.2f} "
+                  f"{r['ratio_vs_raw']:5.2f} {r['ratio_vs_memcpy']:7.2f} "
+                  f"{r['ratio_vs_pickle']:7.1f}")
+
+
+if __name__ == "__main__":
+    from deploy.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "transfer", *sys.argv[1:]]))
