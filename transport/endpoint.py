@@ -78,12 +78,13 @@ class Endpoint(ABC):
                 if not self._send(peer.key, Heartbeat(seq=peer.heartbeat_seq)):
                     self._lose(peer, "unreachable")
 
-    def _lose(self, peer: Peer, why: str) -> None:
+    def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
         if peer.lost:
             return
         peer.lost = True
         self.stats["peers_lost"] += 1
-        logger.error("%s: peer %s lost: %s", self.config.node, peer.name, why)
+        logger.log(logging.INFO if clean else logging.ERROR, "%s: peer %s lost: %s",
+                   self.config.node, peer.name, why)
         self._on_peer_lost(peer, why)
         self._emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)
 

@@ -251,7 +251,7 @@ class KvReceiver(Endpoint):
             elif isinstance(msg, Abort):
                 self._send(peer.key, AbortAck(rid=msg.rid))
         elif isinstance(msg, Bye):
-            self._lose(peer, f"said Bye ({msg.reason})")
+            self._lose(peer, f"said Bye ({msg.reason})", clean=True)
         elif isinstance(msg, Error):
             self.stats["errors_recv"] += 1
             logger.warning("%s: %s reports %s: %s", self.config.node, peer.name, msg.code,

@@ -194,7 +194,7 @@ class KvSender(Endpoint):
             if leg is not None:
                 leg.abort_acked = True
         elif isinstance(msg, Bye):
-            self._lose(peer, f"said Bye ({msg.reason})")
+            self._lose(peer, f"said Bye ({msg.reason})", clean=True)
         elif isinstance(msg, Error):
             self._on_error(peer, msg)
         elif not isinstance(msg, Heartbeat):
