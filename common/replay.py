@@ -23,17 +23,16 @@ event to a slow path that diagnoses every page; a clean log never takes it.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common.freelog_reader import DECODE_ERRORS, FreeLogReader, PoolInfo, UnreadableLog
+from common.freelog_reader import DECODE_ERRORS, FreeLogReader, PoolInfo
+from common.progress import ProgressBar
+from common.replay_report import ReplayReport, Violation
 
 FREE, OWNED, PENDING, RESERVED = 0, 1, 2, 3
 _STATE_NAMES = ("free", "owned", "pending", "reserved")
@@ -50,76 +49,6 @@ _UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in range(SMALL_EVENT + 1)}
 CHECK_EVERY = 1 << 16  # events between checkpoints (progress, owner-table compaction)
 MAX_SAMPLES = 2048  # occupancy samples kept for --plot (halved by max when full)
 MAX_STORED_VIOLATIONS = 1000
-
-
-@dataclass
-class Violation:
-    """One broken rule, tied to the event (``seq``) where replay saw it."""
-
-    seq: int
-    kind: str
-    pool: str
-    message: str
-    page: int | None = None
-    owner: str | None = None
-    num_pages: int = 0
-    pages: list[int] = field(default_factory=list)  # the first few offending pages
-    last: dict[str, Any] | None = None  # last event that touched ``page``: seq, op, owner
-
-    def format(self) -> str:
-        where = f"seq {self.seq}" if self.seq >= 0 else "end of log"
-        text = f"{where}: {self.kind}: {self.message}"
-        if self.last is not None:
-            text += (f" [page {self.page} last touched by seq {self.last['seq']} "
-                     f"{self.last['op']} (owner {self.last['owner']})]")
-        elif self.page is not None and self.kind not in ("page-out-of-range",):
-            text += f" [page {self.page} never touched before]"
-        return text
-
-
-@dataclass
-class ReplayReport:
-    """The outcome of replaying one free log; ``ok`` when there is no violation."""
-
-    path: str
-    node: str = ""
-    events: int = 0
-    closed: bool = False
-    close_seq: int | None = None
-    retained: list[str] = field(default_factory=list)
-    pools: dict[str, dict[str, Any]] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    violations: list[Violation] = field(default_factory=list)  # the first MAX_STORED
-    num_violations: int = 0
-    violations_by_kind: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, Any] | None = None  # t_s and in-use pages per pool, for --plot
-    error: str | None = None  # set when the log was unreadable
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.num_violations == 0
-
-    @property
-    def exit_code(self) -> int:
-        return 2 if self.error is not None else (0 if self.ok else 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {"log": self.path, "ok": self.ok, "exit_code": self.exit_code}
-        if self.error is not None:
-            return {**d, "error": self.error}
-        return {**d, "node": self.node, "events": self.events, "closed": self.closed,
-                "close_seq": self.close_seq, "retained": self.retained,
-                "pools": self.pools, "warnings": self.warnings,
-                "num_violations": self.num_violations,
-                "violations_by_kind": self.violations_by_kind,
-                "violations_truncated": self.num_violations > len(self.violations),
-                "violations": [v.__dict__ for v in self.violations],
-                "seconds": round(self.seconds, 3)}
-
-    def format(self, max_violations: int = 50) -> str:
-        """The human-readable summary that ``pdkv replay`` prints."""
-        return _format_report(self, max_violations)
 
 
 class _Pool:
@@ -175,7 +104,7 @@ class Replayer:
     """Replays one free log. Use :func:`replay_file` unless you stream records yourself."""
 
     def __init__(self, reader: FreeLogReader, *, samples: bool = False,
-                 progress: _Progress | None = None,
+                 progress: ProgressBar | None = None,
                  max_violations: int = MAX_STORED_VIOLATIONS):
         self.reader = reader
         self.report = ReplayReport(path=reader.path, node=reader.header.node)
@@ -772,142 +701,11 @@ def replay_file(path: str | os.PathLike, *, samples: bool = False,
         UnreadableLog: the file is missing, not msgpack, or not a version-1 free log.
     """
     with FreeLogReader(path) as reader:
-        bar = _Progress(reader.path, reader.size) if progress else None
+        label = f"replay {os.path.basename(reader.path)}"
+        bar = ProgressBar(label, reader.size) if progress else None
         try:
             return Replayer(reader, samples=samples, progress=bar,
                             max_violations=max_violations).run()
         finally:
             if bar is not None:
                 bar.close()
-
-
-class _Progress:
-    """A one-line progress bar on stderr, driven by the file offset."""
-
-    def __init__(self, label: str, total: int, stream=None, width: int = 30):
-        self.label, self.total, self.width = os.path.basename(label), max(total, 1), width
-        self.stream = stream or sys.stderr
-        self.t0 = self._drawn_at = time.perf_counter()
-
-    def update(self, offset: int, events: int) -> None:
-        now = time.perf_counter()
-        if now - self._drawn_at < 0.1:
-            return
-        self._drawn_at = now
-        frac = min(offset / self.total, 1.0)
-        filled = int(frac * self.width)
-        rate = events / max(now - self.t0, 1e-9)
-        self.stream.write(f"\rreplay {self.label} [{'#' * filled}{'.' * (self.width - filled)}]"
-                          f" {frac:4.0%} {events:,} events {rate / 1e3:,.0f}k ev/s ")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self._drawn_at > self.t0:
-            self.stream.write("\r" + " " * (self.width + 80) + "\r")
-            self.stream.flush()
-
-
-def _format_report(r: ReplayReport, max_violations: int) -> str:
-    if r.error is not None:
-        return f"{r.path}: UNREADABLE: {r.error}"
-    end = (f"closed at seq {r.close_seq} (retained: {', '.join(r.retained) or 'none'})"
-           if r.closed else "no close event")
-    lines = [f"{r.path}: node {r.node or '?'}, {r.events:,} events, {end}, "
-             f"replayed in {r.seconds:.2f} s"]
-    for name, st in r.pools.items():
-        lines += _format_pool(name, st)
-    for w in r.warnings:
-        lines.append(f"  warning: {w}")
-    if r.num_violations:
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.violations_by_kind.items()))
-        lines.append(f"  violations: {r.num_violations} ({kinds})")
-        shown = r.violations[:max_violations]
-        lines += [f"    {v.format()}" for v in shown]
-        if r.num_violations > len(shown):
-            lines.append(f"    ... and {r.num_violations - len(shown)} more (see --json)")
-    verdict = "OK" if r.ok else f"FAILED ({r.num_violations} violations)"
-    lines.append(f"  {verdict}" + (f", {len(r.warnings)} warning(s)" if r.warnings else ""))
-    return "\n".join(lines)
-
-
-def _format_pool(name: str, st: dict[str, Any]) -> list[str]:
-    ev = st["events"]
-    cap = max(st["capacity"], 1)
-    reasons = ", ".join(f"{r} {v['pages']:,} pages/{v['events']:,} events"
-                        for r, v in st["frees_by_reason"].items()) or "none"
-    return [
-        f"  pool {name}: {st['num_pages']:,} pages x {st['page_size']} slots "
-        f"({st['capacity']:,} allocatable)",
-        f"    pages allocated {st['pages_allocated']:,} in {ev['alloc']:,} allocs, "
-        f"freed {st['pages_freed']:,} in {ev['free']:,} frees, released after pins "
-        f"{st['pages_released']:,}",
-        f"    peak in use {st['peak_in_use']:,} pages ({st['peak_in_use'] / cap:.1%}) at seq "
-        f"{st['peak_seq']}; in use at end {st['in_use_at_end']:,}",
-        f"    frees by reason: {reasons}",
-        f"    pins {ev['pin']:,}, unpins {ev['unpin']:,}, handoffs {ev['handoff']:,} "
-        f"({st['pages_handed_off']:,} pages), live pins at end {st['live_pins_at_end']}",
-    ]
-
-
-def plot_reports(reports: list[ReplayReport], out: str) -> None:
-    """Pages in use per pool over time, one panel per log (needs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [r for r in reports if r.samples]
-    fig, axes = plt.subplots(max(len(shown), 1), 1, squeeze=False,
-                             figsize=(9, 3 * max(len(shown), 1)))
-    for ax, r in zip(axes[:, 0], shown):
-        for name, st in r.pools.items():
-            line, = ax.plot(r.samples["t_s"], r.samples[name], label=f"{name} in use")
-            ax.axhline(st["capacity"], color=line.get_color(), linestyle=":",
-                       label=f"{name} capacity")
-        ax.set_title(f"{os.path.basename(r.path)} ({r.node})")
-        ax.set_xlabel("seconds since the log started")
-        ax.set_ylabel("pages")
-        ax.legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def main(args) -> int:
-    """``pdkv replay``: args has logs, json, plot, progress, max_violations.
-
-    Returns the exit status: 0 every log clean, 1 a violation, 2 an unreadable log
-    (or a plot that cannot be made).
-    """
-    plot = getattr(args, "plot", None)
-    if plot and not _have_matplotlib():
-        print("pdkv replay: --plot needs matplotlib; install it with "
-              "pip install 'pdkv[plot]'", file=sys.stderr)
-        return 2
-    progress = getattr(args, "progress", None)
-    reports = []
-    for path in args.logs:
-        show = sys.stderr.isatty() if progress is None else progress
-        try:
-            report = replay_file(path, samples=bool(plot), progress=show)
-        except UnreadableLog as exc:
-            report = ReplayReport(path=os.fspath(path), error=str(exc))
-        reports.append(report)
-        if not getattr(args, "json", False):
-            print(report.format(getattr(args, "max_violations", 50)), flush=True)
-    status = max(r.exit_code for r in reports)
-    if getattr(args, "json", False):
-        print(json.dumps({"ok": status == 0, "exit_code": status,
-                          "logs": [r.to_dict() for r in reports]}, indent=2))
-    if plot:
-        plot_reports([r for r in reports if r.error is None], plot)
-        print(f"occupancy plot written to {plot}", file=sys.stderr)
-    return status
-
-
-def _have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True

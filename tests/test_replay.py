@@ -17,7 +17,8 @@ import pytest
 
 from common.freelog import FreeLogWriter
 from common.freelog_reader import UnreadableLog
-from common.replay import ReplayReport, main, replay_file
+from common.replay import ReplayReport, replay_file
+from common.replay_cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = {"format": "pdkv-freelog", "version": 1, "node": "decode-0",
