@@ -1,0 +1,257 @@
+"""The host tier: a KV pool in CPU memory of its own, and the engine that copies pages.
+
+The host pool mirrors a device pool's page layout (DESIGN.md section 6):
+
+    # data: [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
+
+It has its own capacity, its own ``PageAllocator`` (pool name ``host``, page 0 reserved)
+and its own free log, so that ``pdkv replay`` checks host pages exactly like device
+pages. Pages cached by the prefix cache are owned by ``cache:host``.
+
+``CopyEngine`` moves pages between two page-major tensors asynchronously: on CUDA on a
+side stream with an event, on CPU on one background thread. Both run jobs in submission
+order. Contiguous runs of pages are copied as one slice each; many short runs are
+gathered and scattered with ``index_select``/``index_copy_`` on an int64 view (per-page
+copies are 10-100x slower per byte for small pages, LESSONS.md item 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from common.allocator import PageAllocator
+from common.freelog import FreeLogWriter
+from common.layout import KvLayout
+
+logger = logging.getLogger(__name__)
+
+HOST_POOL = "host"
+CACHE_OWNER = "cache:host"
+# Above this many runs per page, one gather/scatter beats one slice copy per run.
+_MAX_RUNS_FRACTION = 0.25
+
+
+class HostTier:
+    """A host KV pool: data tensor, allocator and free log, behind one lock.
+
+    Args:
+        num_pages: pages of the pool, page 0 (reserved) included.
+        page_size: slots per page; must match the device pool's.
+        layout: what a page holds; must match the device pool's.
+        device: the device pool's device. The host data is pinned (page-locked) CPU memory
+            only when this is a CUDA device and CUDA is available.
+        log_path: free-log file of the ``host`` pool; ``None`` records nothing.
+        node: the process's name in the free log.
+
+    Who frees what: the owner passed to ``allocate`` (normally ``cache:host``) frees its
+    pages with ``free``; pages freed while pinned return to the free list at the last
+    ``unpin``. All methods are thread-safe.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, layout: KvLayout | None = None, *,
+                 device: str | torch.device = "cpu",
+                 log_path: str | os.PathLike | None = None, node: str = "node"):
+        if num_pages < 2:
+            raise ValueError(f"HostTier num_pages={num_pages}: need at least 2 (page 0 is "
+                             "reserved)")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.layout = layout or KvLayout()
+        device = torch.device(device)
+        self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self._log = None if log_path is None else FreeLogWriter(log_path, node=node, pools={
+            HOST_POOL: {"num_pages": num_pages, "page_size": page_size, "reserved": [0]}})
+        self._pool = PageAllocator(HOST_POOL, num_pages, (0,), self._log)
+        # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
+        self.data = torch.zeros((num_pages, *self.layout.page_shape(page_size)),
+                                dtype=self.layout.torch_dtype, pin_memory=self.pinned)
+        self._pin_ids = 1
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_usable(self) -> int:
+        return self._pool.num_usable
+
+    def allocate(self, n: int, owner: str = CACHE_OWNER) -> np.ndarray | None:
+        """Hand ``n`` free pages to ``owner``, or ``None`` (nothing changed) if too few."""
+        with self._lock:
+            if not self._pool.can_allocate(n):
+                return None
+            return self._pool.allocate(n, owner) if n else np.zeros(0, dtype=np.int32)
+
+    def free(self, pages: np.ndarray, owner: str, reason: str) -> None:
+        """``owner`` gives ``pages`` back (recorded with ``reason``); pinned ones wait."""
+        pages = np.asarray(pages, dtype=np.int32)
+        if not len(pages):
+            return
+        with self._lock:
+            bad = self._pool.not_owned(pages, owner)
+            if len(bad):
+                page = int(pages[bad[0]])
+                raise ValueError(f"{owner!r} cannot free host page {page}: it belongs to "
+                                 f"{self._pool.owner_name(page)}")
+            self._pool.free(pages, owner, reason)
+
+    def pin(self, pages: np.ndarray, reason: str) -> int:
+        """Claim owned (or pending) ``pages`` for a copy; returns the pin id for ``unpin``."""
+        pages = np.asarray(pages, dtype=np.int32)
+        with self._lock:
+            self._pool.check_pinnable(pages)
+            pin_id, self._pin_ids = self._pin_ids, self._pin_ids + 1
+            self._pool.pin(pages, pin_id, reason)
+            return pin_id
+
+    def unpin(self, pin_id: int) -> None:
+        with self._lock:
+            self._pool.unpin(pin_id)
+
+    def owners_holding_pages(self) -> dict[str, int]:
+        with self._lock:
+            return self._pool.owners_holding_pages()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._pool.check_integrity()
+
+    def close(self, retained: Sequence[str] = (CACHE_OWNER,)) -> None:
+        """Write the free log's ``close`` event; ``retained`` owners may still hold pages."""
+        with self._lock:
+            if not self._closed and self._log is not None:
+                self._log.close(retained)
+            self._closed = True
+
+
+# -- copying pages ----------------------------------------------------------------------
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, length)`` of maximal runs consecutive in both page lists."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if not len(src):
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return [(int(src[s]), int(dst[s]), int(n)) for s, n in zip(starts, lengths)]
+
+
+def copy_pages(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
+               dst_pages: np.ndarray, non_blocking: bool = False) -> None:
+    """``dst[dst_pages] = src[src_pages]`` for page-major tensors, coalesced into runs."""
+    runs = page_runs(src_pages, dst_pages)
+    for pages, t in ((src_pages, src), (dst_pages, dst)):
+        # Slicing past the end copies nothing silently; a bad page id must fail loudly.
+        if len(pages) and not 0 <= int(np.min(pages)) <= int(np.max(pages)) < t.shape[0]:
+            raise IndexError(f"page ids {int(np.min(pages))}..{int(np.max(pages))} "
+                             f"outside a pool of {t.shape[0]} pages")
+    gather = (len(runs) > max(1, _MAX_RUNS_FRACTION * len(src_pages))
+              and src.device == dst.device and _int64_viewable(src))
+    if not gather:
+        for s, d, n in runs:
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
+        return
+    # Index ops on a wide dtype: index_copy_ on narrow views runs several times slower.
+    src64, dst64 = src.view(src.shape[0], -1).view(torch.int64), \
+        dst.view(dst.shape[0], -1).view(torch.int64)
+    src_idx = torch.from_numpy(np.asarray(src_pages, dtype=np.int64)).to(src.device)
+    dst_idx = torch.from_numpy(np.asarray(dst_pages, dtype=np.int64)).to(dst.device)
+    dst64.index_copy_(0, dst_idx, src64.index_select(0, src_idx))
+
+
+def _int64_viewable(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and (t[0].numel() * t.element_size()) % 8 == 0
+
+
+class CopyJob:
+    """One submitted copy; ``done()`` polls, ``wait(timeout)`` blocks, ``error`` says why."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+        self._cuda_event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        if self._cuda_event is not None:
+            return self._cuda_event.query()
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the copy finished or ``timeout`` seconds passed; True when done."""
+        if self._cuda_event is None:
+            return self._event.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._cuda_event.query():  # Event.synchronize() has no timeout
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(50e-6)
+        return True
+
+
+class CopyEngine:
+    """Runs page copies in submission order, off the caller's thread or stream.
+
+    Args:
+        device: the device pool's device; CUDA uses a side stream, CPU a worker thread.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._queue: queue.Queue | None = None
+        self._closed = False
+        if self._cuda:
+            self._stream = torch.cuda.Stream(self.device)
+        else:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="kv-offload-copy",
+                                            daemon=True)
+            self._thread.start()
+
+    def submit(self, src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
+               dst_pages: np.ndarray) -> CopyJob:
+        """Start ``dst[dst_pages] = src[src_pages]``; the caller pins both sides until done."""
+        job = CopyJob()
+        if self._closed:
+            raise RuntimeError("CopyEngine is closed")
+        if self._queue is not None:
+            self._queue.put((job, src, src_pages, dst, dst_pages))
+            return job
+        # The side stream waits for the compute stream, which wrote the KV being copied.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            copy_pages(src, src_pages, dst, dst_pages, non_blocking=True)
+            job._cuda_event = torch.cuda.Event()
+            job._cuda_event.record(self._stream)
+        return job
+
+    def close(self) -> None:
+        """Finish queued copies and stop the worker thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+        elif self._cuda:
+            self._stream.synchronize()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job, src, src_pages, dst, dst_pages = item
+            try:
+                copy_pages(src, src_pages, dst, dst_pages)
+            except BaseException as exc:  # reported to the job's owner, never lost
+                job.error = exc
+            job._event.set()
