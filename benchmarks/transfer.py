@@ -147,12 +147,12 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     for tokens in sizes:
         nbytes = tokens * LAYOUT.page_bytes(PAGE) // PAGE
         base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
-        raw = [_baseline("raw", base, src, nbytes, queue, cmd) for _ in range(repeats)]
-        pick = [_baseline("pickle", base, src, min(nbytes, src.nbytes), queue, cmd)
+        part = src[:min(nbytes, src.nbytes)]  # the same bytes; repeated when pool < request
+        raw = [_baseline("raw", base, part, nbytes, queue, cmd) for _ in range(repeats)]
+        pick = [_baseline("pickle", base, part, part.nbytes, queue, cmd)
                 for _ in range(max(1, repeats // 2))]
-        mem = [_memcpy(src, nbytes) for _ in range(repeats)]
-        results[tokens] = _figures(nbytes, pdkv[tokens], raw, mem, pick,
-                                   min(nbytes, src.nbytes))
+        mem = [_memcpy(part, nbytes) for _ in range(repeats)]
+        results[tokens] = _figures(nbytes, pdkv[tokens], raw, mem, pick, part.nbytes)
     cmd.put(None)
     proc.join(30)
     return results
