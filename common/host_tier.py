@@ -181,6 +181,11 @@ class CopyJob:
         self._event = threading.Event()
         self._cuda_event: torch.cuda.Event | None = None
 
+    def set_done(self, error: BaseException | None = None) -> None:
+        """For engines: the copy finished (with ``error`` when it failed)."""
+        self.error = error
+        self._event.set()
+
     def done(self) -> bool:
         if self._cuda_event is not None:
             return self._cuda_event.query()
@@ -253,5 +258,6 @@ class CopyEngine:
             try:
                 copy_pages(src, src_pages, dst, dst_pages)
             except BaseException as exc:  # reported to the job's owner, never lost
-                job.error = exc
-            job._event.set()
+                job.set_done(exc)
+            else:
+                job.set_done()
