@@ -22,6 +22,7 @@ from common.freelog import FreeLogWriter
 from common.kv_record import KvRecord
 from common.layout import KvLayout
 from common.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
+from common.shared_tensor import SharedTensor
 
 
 class KvCache:
@@ -37,6 +38,8 @@ class KvCache:
         log_path: free-log file to record every allocator event to; ``None`` records nothing.
         node: the process's name in the free log.
         layout: what a page holds; see ``KvLayout``.
+        shared_memory: put the CPU pool tensors in named shared memory so that a peer on
+            the same host can map them (``shared_memory_name``) and copy pages directly.
 
     All methods are thread-safe.
     """
@@ -44,7 +47,8 @@ class KvCache:
     def __init__(self, num_pages: int, page_size: int, *, swa_num_pages: int | None = None,
                  max_rows: int = 256, max_row_len: int | None = None,
                  device: str | torch.device = "cpu", log_path: str | os.PathLike | None = None,
-                 node: str = "node", layout: KvLayout | None = None):
+                 node: str = "node", layout: KvLayout | None = None,
+                 shared_memory: bool = False):
         _check_sizes(num_pages, page_size, swa_num_pages, max_rows, max_row_len)
         self.num_pages, self.page_size = num_pages, page_size
         self.layout = layout or KvLayout()
@@ -56,10 +60,12 @@ class KvCache:
             name: {"num_pages": n, "page_size": page_size, "reserved": [0]}
             for name, n in sizes.items()})
         self._pools = {name: PageAllocator(name, n, (0,), self._log) for name, n in sizes.items()}
-        shape = self.layout.page_shape(page_size)
+        self._shared = {name: self._shared_tensor(n) for name, n in sizes.items()
+                        } if shared_memory else {}
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
-        self._data = {name: torch.zeros((n, *shape), dtype=self.layout.torch_dtype,
-                                        device=self.device) for name, n in sizes.items()}
+        self._data = {name: self._shared[name].tensor if shared_memory else torch.zeros(
+            (n, *self.layout.page_shape(page_size)), dtype=self.layout.torch_dtype,
+            device=self.device) for name, n in sizes.items()}
         # Row table: page ids by row page index, and which of them the row still holds
         # (free_kv_row leaves the ids in place, so stale ids must never count as held).
         self._row_pages: dict[str, list[np.ndarray | None]] = {
@@ -80,6 +86,17 @@ class KvCache:
 
     def num_free_pages(self, pool: str = "full") -> int:
         return self._pool(pool).num_free
+
+    def shared_memory_name(self, pool: str = "full") -> str | None:
+        """Name of the shared-memory segment holding ``data(pool)``, or None if private."""
+        shared = self._shared.get(pool)
+        return None if shared is None else shared.name
+
+    def _shared_tensor(self, num_pages: int) -> SharedTensor:
+        if self.device.type != "cpu":
+            raise ValueError(f"shared_memory=True needs a CPU pool, not {self.device}")
+        shape = (num_pages, *self.layout.page_shape(self.page_size))
+        return SharedTensor(shape, self.layout.torch_dtype)
 
     @property
     def pool_names(self) -> list[str]:
@@ -320,11 +337,16 @@ class KvCache:
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self, retained: Sequence[str] = ()) -> None:
-        """Write the free log's ``close`` event (owners in ``retained`` may still hold pages)."""
+        """Write the free log's ``close`` event (owners in ``retained`` may still hold pages).
+
+        Shared-memory pools are unlinked; their tensors must not be used afterwards.
+        """
         with self._lock:
             if not self._closed and self._log is not None:
                 self._log.close(retained)
             self._closed = True
+            for shared in self._shared.values():
+                shared.close()
 
     def owners_holding_pages(self, pool: str = "full") -> dict[str, int]:
         with self._lock:
