@@ -150,6 +150,9 @@ class Offloader:
         device_pages = self.cache.pages(kv, start * ps, (start + len(keys)) * ps)
         host_pages = self.host.allocate(len(keys), CACHE_OWNER)
         assert host_pages is not None, "host pages counted free just before"
+        # Ascending host pages make runs with an ascending device row: one slice per run
+        # (eviction frees chains leaf first, so the free list hands them out descending).
+        host_pages.sort()
         try:
             device_pin = self.cache.pin_pages(device_pages, reason="offload")
         except ValueError:  # the row no longer holds them: give everything back

@@ -67,3 +67,18 @@ def test_copy_engine_runs_jobs_in_order_and_reports_errors():
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(src, np.array([1]), dst, np.array([1]))
+
+
+def test_copy_pages_copies_scattered_large_pages_slice_by_slice():
+    src = torch.randn((6, 64, 256))  # 64 KiB pages: one slice copy per page beats a gather
+    dst = torch.zeros_like(src)
+    copy_pages(src, np.array([5, 1, 3]), dst, np.array([2, 4, 1]))
+    assert torch.equal(dst[[2, 4, 1]], src[[5, 1, 3]]) and not dst[[0, 3, 5]].any()
+
+
+def test_copy_pages_gathers_scattered_pages_into_a_contiguous_destination():
+    src = torch.randn((20, 2, 8, 4))
+    dst = torch.zeros_like(src)
+    src_pages = np.array([17, 3, 9, 1, 12, 5, 6, 2])
+    copy_pages(src, src_pages, dst, np.arange(10, 18))
+    assert torch.equal(dst[10:18], src[src_pages]) and not dst[:10].any()

@@ -166,7 +166,7 @@ def test_full_host_tier_evicts_lru_and_never_a_chain_being_loaded(tmp_path):
     assert load.host_pages.tolist() == [1, 2]
     d, d_chain = s.request("d", [4] * 12, allocated=12, committed=12)
     h = s.off.prepare_store(d, d_chain)  # 3 pages wanted; only b's 2 may be evicted
-    assert (h.device_pages.tolist(), h.host_pages.tolist()) == ([7, 8], [4, 3])
+    assert (h.device_pages.tolist(), h.host_pages.tolist()) == ([7, 8], [3, 4])
     engine.run_all()
     s.off.poll()
     s.cache.commit(c, 8)

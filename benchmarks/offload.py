@@ -1,0 +1,133 @@
+"""Host offload copy rate against a plain tensor copy of the same bytes, in one run.
+
+Offload: ``prepare_store`` + ``complete_store`` of one row's committed full pages (pins,
+host allocation, hash-chain lookup, the copy on the engine's thread or stream, unpins,
+prefix-cache insert). Load: ``prepare_load`` + ``complete_load`` of the same prefix into
+a second row. Plain: ``host.copy_(device[pages])`` of the same bytes into a preallocated
+host tensor (pinned when the device is CUDA), one contiguous slice.
+
+Two cases: ``contiguous`` (fresh pools: one run of pages each side) and ``scattered``
+(the row's device pages in random order, so every page is its own run). Every figure is
+the median of ``--repeats`` interleaved runs. Goal: offload >= 0.7x the plain copy.
+
+Run: ``python -m benchmarks.offload [--quick] [--json] [--device cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from common import KvCache, KvLayout
+from common.host_tier import HostTier
+from common.offload import Offloader
+from common.prefix_cache import HashChain
+
+LAYOUT = KvLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
+PAGE_SIZE = 16
+GOAL = 0.7
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _scatter_pool(cache: KvCache, num_pages: int, seed: int) -> None:
+    """Leave the free list in random order, so the next row's pages are scattered."""
+    rows = [cache.open_row(f"frag-{i}") for i in range(num_pages)]
+    for kv in rows:
+        cache.extend(kv, PAGE_SIZE)
+    for i in np.random.default_rng(seed).permutation(num_pages):
+        cache.free_kv_row(rows[i], [(0, PAGE_SIZE)])
+        cache.close_row(rows[i])
+
+
+def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) -> dict:
+    tokens = num_pages * PAGE_SIZE
+    cache = KvCache(2 * num_pages + 1, PAGE_SIZE, layout=LAYOUT, device=device,
+                    max_rows=2 * num_pages + 2)
+    if name == "scattered":
+        _scatter_pool(cache, 2 * num_pages, seed=0)
+    host = HostTier(num_pages + 1, PAGE_SIZE, LAYOUT, device=device)
+    off = Offloader(cache, host)
+    src, dst = cache.open_row("src"), cache.open_row("dst")
+    for kv in (src, dst):
+        cache.extend(kv, tokens)
+    cache.commit(src, tokens)
+    pages = cache.pages(src, 0, tokens)
+    cache.data()[pages] = torch.randn((num_pages, *LAYOUT.page_shape(PAGE_SIZE)),
+                                      device=device).to(LAYOUT.torch_dtype)
+    plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
+    offload_s, load_s, plain_s = [], [], []
+    for r in range(repeats + 1):  # the first round warms up and is dropped
+        chain = HashChain(PAGE_SIZE, tokens=np.full(tokens, r, dtype=np.int32))
+        off.prefix.evict(num_pages)  # outside the timing: room for this round
+        t_off = _timed(lambda c=chain: off.complete_store(off.prepare_store(src, c)), device)
+        t_load = _timed(lambda c=chain: off.complete_load(off.prepare_load(dst, c)), device)
+        # The baseline copies the same number of bytes as one contiguous block.
+        t_plain = _timed(lambda: plain_dst.copy_(cache.data()[1:num_pages + 1]), device)
+        if r:
+            offload_s.append(t_off)
+            load_s.append(t_load)
+            plain_s.append(t_plain)
+    assert torch.equal(cache.data()[cache.pages(dst, 0, tokens)], cache.data()[pages])
+    off.close()
+    nbytes = num_pages * LAYOUT.page_bytes(PAGE_SIZE)
+    gbps = {k: nbytes / statistics.median(v) / 1e9
+            for k, v in (("offload", offload_s), ("load", load_s), ("plain", plain_s))}
+    return {"case": name, "pages": num_pages, "bytes": nbytes,
+            "offload_gbps": gbps["offload"], "load_gbps": gbps["load"],
+            "plain_gbps": gbps["plain"], "offload_vs_plain": gbps["offload"] / gbps["plain"],
+            "load_vs_plain": gbps["load"] / gbps["plain"]}
+
+
+def run(quick: bool, repeats: int | None, device: str | None) -> dict:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    repeats = repeats or (3 if quick else 7)
+    num_pages = 64 if quick else 256
+    cases = [bench_case(name, num_pages, repeats, dev) for name in ("contiguous", "scattered")]
+    return {"device": str(dev), "page_size": PAGE_SIZE,
+            "page_bytes": LAYOUT.page_bytes(PAGE_SIZE), "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "goal": GOAL, "cases": cases}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.offload",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="32 MB rows, 3 repeats")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per figure")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda "
+                        "when available)")
+    args = parser.parse_args(argv)
+    results = run(args.quick, args.repeats, args.device)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"host offload on {results['device']}, pages of {results['page_bytes'] >> 10} KiB "
+          f"(page_size {PAGE_SIZE}), median of {results['repeats']}:")
+    print(f"  {'case':>10} {'MiB':>6} {'offload':>9} {'load':>9} {'plain':>9} {'ratio':>6}")
+    for c in results["cases"]:
+        print(f"  {c['case']:>10} {c['bytes'] >> 20:>6} {c['offload_gbps']:>7.2f}GB/s "
+              f"{c['load_gbps']:>7.2f}GB/s {c['plain_gbps']:>7.2f}GB/s "
+              f"{c['offload_vs_plain']:>5.2f}x")
+    print(f"  goal: offload >= {GOAL}x the plain copy of the same bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
