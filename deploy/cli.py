@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_replay(sub)
     _add_bench(sub)
+    _add_serving(sub)
     return parser
 
 
@@ -68,6 +69,7 @@ def _add_bench(sub) -> None:
                         "requests (default 8192, 2048 with --quick)")
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
+    _add_bench_serve(bench)
 
 
 def _add_bench_allocator(bench) -> None:
@@ -92,6 +94,179 @@ def _run_bench_transfer(args: argparse.Namespace) -> int:
     from benchmarks.transfer import main as transfer_main
 
     return transfer_main(args)
+
+
+def _add_serving(sub) -> None:
+    _add_run(sub)
+    _add_router(sub)
+    _add_prefill(sub)
+    _add_decode(sub)
+    _add_colocated(sub)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Serving-config flags shared by ``run`` and ``bench serve`` (defaults: common/config.py)."""
+    g = p.add_argument_group("serving config (defaults from common/config.py)")
+    g.add_argument("--config", metavar="FILE.json",
+                   help="JSON object of ServeConfig fields; flags below override it")
+    g.add_argument("--model", help="built-in model: tiny (default), small, llama-1b-shape, "
+                                   "llama-8b-shape")
+    g.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
+                   help="override the model's dtype (float64: exact comparisons on CPU)")
+    g.add_argument("--page-size", type=int, help="slots per KV page (default 16)")
+    g.add_argument("--prefill-pages", type=int, help="pages per prefill pool (default 2048)")
+    g.add_argument("--decode-pages", type=int, help="pages per decode pool (default 4096)")
+    g.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (default 256)")
+    g.add_argument("--max-running", type=int, help="decode batch size limit (default 64)")
+    g.add_argument("--transport", choices=["ipc", "tcp"],
+                   help="addresses on one machine: ipc (default) or tcp on 127.0.0.1")
+    g.add_argument("--debug-integrity", action="store_true", default=None,
+                   help="workers run check_integrity() whenever idle")
+
+
+def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:
+    g = p.add_argument_group("workload (seeded; rids are a pure function of the seed)")
+    g.add_argument("--requests", type=int, default=requests, metavar="R",
+                   help=f"requests to send (default {requests})")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
+    g.add_argument("--rate", type=float, default=8.0,
+                   help="mean arrival rate, requests/s, Poisson (default 8; 0 = all at once)")
+    g.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="prompt length range, log-uniform (default 16 256)")
+    g.add_argument("--output-len", type=int, nargs=2, default=[8, 48], metavar=("MIN", "MAX"),
+                   help="max_new_tokens range, uniform (default 8 48)")
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run", help="launch router + workers, serve a synthetic workload, verify free logs",
+        description="Start the router and the workers as separate processes (colocated: "
+                    "one process per worker doing prefill and decode), wait until all are "
+                    "ready, send a seeded workload with Poisson arrivals, print progress and "
+                    "a summary, write one JSON line per request, replay every free log "
+                    "(fails on any violation) and shut everything down. See "
+                    "docs/operations.md.",
+        epilog="exit status: 0 all requests served and logs clean; 1 a request failed or "
+               "a free log has a violation; 2 a process died or did not start (named).")
+    p.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="prefill workers (disagg; default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M",
+                   help="decode workers (disagg) or colocated workers (default 1)")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
+                   help="disagg: separate prefill and decode workers (default); colocated: "
+                        "one process does both (the reference)")
+    p.add_argument("--devices", default="cpu", metavar="LIST",
+                   help="comma-separated devices given to workers round-robin, e.g. "
+                        "cuda:0,cuda:1 (default cpu)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="keep free logs (<worker>.freelog) and process logs (<name>.log) "
+                        "here (default: a temporary directory, removed when all is clean)")
+    p.add_argument("--output", metavar="FILE.jsonl",
+                   help="one JSON line per request: rid, output_ids, prompt_len, reason, "
+                        "ttft_s, tpot_s")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress line on stderr (default: when stderr is a terminal)")
+    _add_workload_flags(p, 64)
+    _add_config_flags(p)
+    p.set_defaults(func=_run_run)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from deploy.run import main as run_main
+
+    return run_main(args)
+
+
+def _add_log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="lifecycle log level (default info)")
+
+
+def _add_router(sub) -> None:
+    p = sub.add_parser("router", help="start the router (front door) alone",
+                       description="Bind the router; workers register with it (pdkv prefill/"
+                                   "decode --router ADDR) and take its serving config.")
+    p.add_argument("--bind", default="tcp://0.0.0.0:5555",
+                   help="address to bind (default tcp://0.0.0.0:5555)")
+    p.add_argument("--config-json", metavar="JSON",
+                   help="ServeConfig fields as a JSON object (default: the embedded default)")
+    _add_log_level(p)
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from deploy.processes import run_router
+
+    return run_router(args)
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", required=True, metavar="ADDR",
+                   help="the router's address, e.g. tcp://router-host:5555")
+    p.add_argument("--name", help="unique worker name (default <role>-<hostname>)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    p.add_argument("--log-dir", metavar="DIR", help="write the free log <name>.freelog here")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    _add_log_level(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _add_prefill(sub) -> None:
+    p = sub.add_parser("prefill", help="start one prefill worker against a router",
+                       description="Register with the router, bind the KV sender, serve "
+                                   "chunked prefill and stream KV to decode workers.")
+    _add_worker_flags(p)
+    p.add_argument("--kv-bind", default="tcp://0.0.0.0:5600",
+                   help="address the KV sender binds (default tcp://0.0.0.0:5600)")
+    p.add_argument("--kv-advertise", default="",
+                   help="address decode workers connect to (default: the bound address; set "
+                        "it to tcp://<this-host>:<port> when binding 0.0.0.0)")
+
+
+def _add_decode(sub) -> None:
+    p = sub.add_parser("decode", help="start one decode worker against a router",
+                       description="Register with the router, admit requests as memory "
+                                   "allows, receive KV from prefill workers, decode in a "
+                                   "continuous batch.")
+    _add_worker_flags(p)
+
+
+def _add_colocated(sub) -> None:
+    p = sub.add_parser("colocated", help="start one colocated (prefill + decode) worker",
+                       description="One process that prefills and decodes over one pool: "
+                                   "the reference deployment.")
+    _add_worker_flags(p)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from deploy.processes import run_worker
+
+    return run_worker(args)
+
+
+def _add_bench_serve(bench) -> None:
+    p = bench.add_parser("serve", help="colocated vs 1P1D serving on the same workload",
+                         description="Run the same seeded workload through colocated and "
+                                     "1P1D in one run; report TTFT and TPOT p50/p99, "
+                                     "tokens/s, share of TTFT spent moving KV, goodput.")
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians (default 3)")
+    p.add_argument("--ttft-target", type=float, default=1.0, metavar="S",
+                   help="goodput TTFT target in seconds (default 1.0)")
+    p.add_argument("--tpot-target", type=float, default=0.1, metavar="S",
+                   help="goodput TPOT target in seconds (default 0.1)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    _add_workload_flags(p, 48)
+    _add_config_flags(p)
+    p.set_defaults(func=_run_bench_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.serve import main as serve_main
+
+    return serve_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

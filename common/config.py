@@ -1,0 +1,111 @@
+"""Serving configuration: one frozen dataclass shared by the router, workers and launcher.
+
+Every field has a docstring; ``ServeConfig.from_dict`` validates and names the allowed
+values. ``DEFAULT`` is the embedded default (tiny model, CPU, sizes that serve on 2 cores).
+The config crosses process boundaries as a plain dict (``to_dict``), never pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from common.model_config import CONFIGS, ModelConfig, get_config
+
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_TRANSPORTS = ("ipc", "tcp")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How a pdkv deployment serves: model, pool sizes, batching, deadlines."""
+
+    model: str = "tiny"
+    """Built-in model config name (see ``common.model_config.CONFIGS``)."""
+    dtype: str = ""
+    """Override of the model's dtype (float16, bfloat16, float32, float64); empty keeps it.
+    Tests use float64 so that disaggregated and colocated outputs compare exactly."""
+    page_size: int = 16
+    """Slots per KV page, equal on prefill and decode (checked by the handshake)."""
+    prefill_pages: int = 2048
+    """Pages of each prefill worker's KV pool (page 0 reserved)."""
+    decode_pages: int = 4096
+    """Pages of each decode worker's KV pool (page 0 reserved)."""
+    max_rows: int = 256
+    """Requests a worker's pool holds open at once."""
+    chunk_size: int = 256
+    """Prefill chunk: most prompt tokens one request contributes to one forward pass."""
+    max_prefill_tokens: int = 1024
+    """Token budget of one prefill forward pass over all its requests."""
+    max_running: int = 64
+    """Decode: most requests in one continuous batch."""
+    draft_kv: bool = False
+    """Prefill also computes (and ships) the draft model's KV; speculative decoding
+    needs it. Off: pools hold the target's layers only."""
+    max_new_tokens_limit: int = 2048
+    """Largest max_new_tokens a request may ask for."""
+    transport: str = "ipc"
+    """Addresses the launcher gives workers on one machine: ipc (unix sockets) or tcp."""
+    heartbeat_s: float = 1.0
+    """Interval of heartbeats between router and workers and between KV peers."""
+    lease_s: float = 10.0
+    """A peer (worker, router or KV peer) silent this long is declared lost."""
+    ready_timeout_s: float = 120.0
+    """Launcher: deadline for every process to report ready."""
+    request_timeout_s: float = 600.0
+    """Router: a request with no result after this long fails with 'timeout'."""
+    debug_integrity: bool = False
+    """Workers run ``KvCache.check_integrity()`` whenever their loop is idle."""
+
+    def __post_init__(self) -> None:
+        if self.model not in CONFIGS:
+            raise ValueError(f"model={self.model!r}; allowed: {sorted(CONFIGS)}")
+        if self.dtype and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: '' (model's own) or {_DTYPES}")
+        if self.transport not in _TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}; allowed: {_TRANSPORTS}")
+        for name in ("page_size", "max_rows", "chunk_size", "max_running",
+                     "max_new_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("prefill_pages", "decode_pages"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 2 (page 0 is "
+                                 "reserved)")
+        if self.max_prefill_tokens < self.chunk_size:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= "
+                             f"chunk_size={self.chunk_size}")
+        if not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError(f"need 0 < heartbeat_s={self.heartbeat_s} < "
+                             f"lease_s={self.lease_s}")
+        if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
+
+    def model_config(self) -> ModelConfig:
+        """The model's config with ``dtype`` applied."""
+        return get_config(self.model, **({"dtype": self.dtype} if self.dtype else {}))
+
+    def pool_tokens(self, role: str) -> int:
+        """Tokens one row of a ``role`` ('prefill' or 'decode') pool can hold at most."""
+        pages = self.prefill_pages if role == "prefill" else self.decode_pages
+        return (pages - 1) * self.page_size
+
+    def to_dict(self) -> dict:
+        """Plain fields (JSON/msgpack-safe)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServeConfig:
+        """Build and validate; unknown keys are an error naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    def with_overrides(self, **changes: object) -> ServeConfig:
+        """A validated copy with some fields changed; ``None`` values are ignored."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+DEFAULT = ServeConfig()
+"""The embedded default."""

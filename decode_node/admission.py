@@ -1,0 +1,99 @@
+"""Admission as memory allows: a FIFO queue and a page reservation ledger.
+
+A request is admitted only when the pool can hold its whole life: the prompt now and one
+slot per generated token later. The ledger remembers what each admitted request may still
+allocate, so a full pool queues new requests instead of running an admitted one out of
+pages mid-decode (retracting to a host tier is a later feature).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from common.kv_cache import KvCache
+from common.kv_record import KvRecord
+from common.ranges import ceil_div
+from deploy.request import ReqState, SamplingParams
+
+
+@dataclass
+class WorkItem:
+    """One request on a decode or colocated worker."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    prefill: str = ""
+    prefill_addr: str = ""
+    state: ReqState = ReqState.QUEUED
+    kv: KvRecord | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        """Row positions the request may need: prompt + generated tokens but the last."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
+
+
+class Admission:
+    """FIFO queue plus reservations over one ``KvCache``.
+
+    Args:
+        cache: the worker's pool.
+        max_running: requests admitted at once (rows held).
+    """
+
+    def __init__(self, cache: KvCache, max_running: int) -> None:
+        self.cache, self.max_running = cache, max_running
+        self.queue: OrderedDict[str, WorkItem] = OrderedDict()
+        self.admitted: dict[str, WorkItem] = {}
+
+    def enqueue(self, item: WorkItem) -> None:
+        self.queue[item.rid] = item
+
+    def _outstanding(self) -> int:
+        """Pages admitted requests may still allocate."""
+        ps = self.cache.page_size
+        return sum(ceil_div(it.max_len, ps) - ceil_div(it.kv.allocated_len, ps)
+                   for it in self.admitted.values() if it.kv is not None)
+
+    def can_admit(self, item: WorkItem) -> bool:
+        if len(self.admitted) >= self.max_running:
+            return False
+        need = ceil_div(item.max_len, self.cache.page_size)
+        return self.cache.num_free_pages() - self._outstanding() >= need
+
+    def admit_next(self) -> WorkItem | None:
+        """Open and extend the head-of-queue's row over its prompt, or None (not now).
+
+        Strict FIFO: a large request at the head is never starved by small ones.
+        """
+        if not self.queue:
+            return None
+        item = next(iter(self.queue.values()))
+        if not self.can_admit(item):
+            return None
+        kv = self.cache.open_row(item.rid)
+        self.cache.extend(kv, len(item.prompt))
+        del self.queue[item.rid]
+        item.kv = kv
+        self.admitted[item.rid] = item
+        return item
+
+    def release(self, item: WorkItem, ranges: list[tuple[int, int]], reason: str) -> None:
+        """Free the item's row with ``reason`` and forget it (no-op without a row)."""
+        self.admitted.pop(item.rid, None)
+        self.queue.pop(item.rid, None)
+        if item.kv is None:
+            return
+        self.cache.free_kv_row(item.kv, ranges, reason=reason)
+        self.cache.close_row(item.kv)
+        item.kv = None
+
+    def find(self, rid: str) -> WorkItem | None:
+        return self.admitted.get(rid) or self.queue.get(rid)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return max(0, self.cache.num_free_pages() - self._outstanding()) * self.cache.page_size

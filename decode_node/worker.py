@@ -1,0 +1,192 @@
+"""The decode worker: admit as memory allows, receive KV, decode in a continuous batch.
+
+A request's eight steps on this worker:
+
+1. ``req`` arrives from the router (prompt, sampling params, which prefill computes it);
+   it is checked and queued (QUEUED).
+2. When the pool can hold its whole life (``Admission``), its row is opened and extended
+   over the prompt, and the prefill is told through ``KvReceiver.announce`` (WAITING_KV).
+3. Pages arrive; the receiver pins them while writes are outstanding.
+4. ``COMPLETED`` brings the first token: the prompt is committed, the first token is
+   streamed to the router, the request joins the batch (DECODING).
+5. Every ``tick`` runs one batched step; new tokens stream to the router.
+6. At ``max_new_tokens`` or the stop token the row is freed (``finished``) and ``done``
+   is sent.
+7. A client abort or a failed transfer frees the row at any stage (``aborted``, or the
+   transport's reason: ``timeout``, ``peer_lost``, ``error``); pins keep pages the prefill
+   may still write out of reuse.
+8. At shutdown everything still held is freed (``aborted``) and the free log is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from decode_node.admission import Admission, WorkItem
+from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from deploy.request import BadRequest, ReqState, SamplingParams
+from deploy.wire import unpack_ids
+from deploy.worker_base import WorkerBase
+from transport import EventKind, KvReceiver, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(WorkerBase):
+    """One decode process (one device)."""
+
+    role = "decode"
+
+    def __init__(self, name: str, router: str, device: str = "cpu",
+                 log_dir: str | None = None) -> None:
+        super().__init__(name, router, device, log_dir)
+        cfg = self.config
+        self.model, cache, self.runner = self.make_cache(cfg.decode_pages)
+        self.admission = Admission(cache, cfg.max_running)
+        self.batch = DecodeBatch(self.runner)
+        self.rx = KvReceiver(cache, TransportConfig(
+            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s),
+            ctx=self.ctx)
+        self.groups: dict[str, int] = {}
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
+        self.report_ready()
+
+    # -- control -------------------------------------------------------------------------
+    def handle(self, msg: dict) -> None:
+        if msg["t"] == "req":
+            self._on_req(msg)
+        elif msg["t"] == "abort":
+            self._abort(msg["rid"], "aborted")
+
+    def _on_req(self, msg: dict) -> None:
+        rid = msg["rid"]
+        try:
+            params = SamplingParams.from_dict(msg["params"])
+            prompt = unpack_ids(msg["prompt"])
+            if not prompt or self.admission.find(rid) or rid in self.batch.running:
+                raise BadRequest(f"{rid}: empty prompt or rid already in flight")
+            if len(prompt) + params.max_new_tokens > self.config.pool_tokens("decode"):
+                raise BadRequest(f"{rid}: needs {len(prompt) + params.max_new_tokens} "
+                                 "tokens, more than this decode's pool")
+        except (BadRequest, KeyError, ValueError) as exc:
+            self.send({"t": "done", "rid": rid, "reason": "error", "error": str(exc)})
+            return
+        self.admission.enqueue(WorkItem(rid, prompt, params, msg.get("prefill", ""),
+                                        msg.get("prefill_addr", ""),
+                                        extra={"t_recv": time.monotonic()}))
+
+    # -- work ----------------------------------------------------------------------------
+    def tick(self) -> bool:
+        for ev in self.rx.poll(0):
+            self._on_event(ev)
+        admitted = self._admit()
+        if not len(self.batch):
+            return admitted
+        emitted, finished = self.batch.step()
+        for seq, toks in emitted:
+            if toks:
+                self.send({"t": "tokens", "rid": seq.rid, "ids": toks})
+        for seq in finished:
+            self._finish(self.admission.admitted[seq.rid], seq.output)
+        return True
+
+    def _admit(self) -> bool:
+        any_admitted = False
+        while (item := self.admission.admit_next()) is not None:
+            any_admitted = True
+            try:
+                group = self._group(item.prefill, item.prefill_addr)
+                self.rx.announce(item.rid, item.kv, len(item.prompt), 0, group)
+            except (ValueError, TimeoutError, RuntimeError) as exc:
+                logger.error("%s: %s cannot reach prefill %s: %s", self.name, item.rid,
+                             item.prefill, exc)
+                self._end(item, "error", str(exc))
+                continue
+            item.state = ReqState.WAITING_KV
+        return any_admitted
+
+    def _group(self, prefill: str, addr: str) -> int:
+        group = self.groups.get(prefill)
+        lost = group is not None and any(self.rx.peers[k].lost for k in self.rx.groups[group])
+        if group is None or lost:
+            group = self.groups[prefill] = self.rx.connect(addr)
+        return group
+
+    def _on_event(self, ev) -> None:
+        if ev.kind == EventKind.COMPLETED:
+            item = self.admission.admitted.get(ev.rid)
+            if item is not None:
+                self._start_decoding(item, ev.first_token)
+        elif ev.kind.is_final:
+            item = self.admission.admitted.get(ev.rid)
+            if item is not None:
+                self._end(item, ev.reason or "error", ev.detail)
+        elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
+            logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+
+    def _start_decoding(self, item: WorkItem, first_token: int) -> None:
+        self.cache.commit(item.kv, len(item.prompt))
+        item.state = ReqState.DECODING
+        seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token])
+        self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True})
+        if not self.batch.add(seq):
+            self._finish(item, seq.output)
+
+    def _finish(self, item: WorkItem, output: list[int]) -> None:
+        stop = item.params.stop_token
+        reason = "stop" if stop >= 0 and output and output[-1] == stop else "length"
+        self.counts["finished"] += 1
+        self.counts["tokens"] += len(output)
+        item.state = ReqState.FINISHED
+        self.admission.release(item, finish_ranges(item.kv, self.cache.page_size), "finished")
+        self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
+
+    def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
+        """Abort or failure at any stage: free what is held, tell the router."""
+        self.batch.remove(item.rid)
+        if item.state == ReqState.WAITING_KV:
+            self.rx.abort(item.rid, reason if reason != "aborted" else "aborted", detail)
+        item.state = ReqState.ABORTED if reason == "aborted" else ReqState.FAILED
+        self.counts["aborted" if reason == "aborted" else "failed"] += 1
+        if item.kv is not None:
+            self.admission.release(item, finish_ranges(item.kv, self.cache.page_size),
+                                   _free_reason(reason))
+        else:
+            self.admission.release(item, [], reason)
+        msg = {"t": "done", "rid": item.rid, "reason": reason}
+        if detail:
+            msg["error"] = detail
+        self.send(msg)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        item = self.admission.find(rid)
+        if item is not None:
+            self._end(item, reason)
+
+    # -- reporting and shutdown ----------------------------------------------------------
+    def sockets(self) -> list:
+        return [s.sock for s in self.rx.sockets.values()]
+
+    def load(self) -> dict:
+        return {"running": len(self.batch), "queued": len(self.admission.queue),
+                "free_tokens": self.admission.num_free_tokens}
+
+    def stats(self) -> dict:
+        return {**self.counts, "steps": self.batch.num_steps,
+                "bytes_recv": int(self.rx.stats["bytes_recv"])}
+
+    def close(self) -> None:
+        for item in list(self.admission.admitted.values()) + list(
+                self.admission.queue.values()):
+            self._end(item, "aborted", "worker shutting down")
+        self.rx.close()
+        self.cache.check_integrity()
+        self.cache.close()
+        super().close()
+
+
+def _free_reason(reason: str) -> str:
+    """Free-log reasons are a closed set (DESIGN.md section 4)."""
+    allowed = {"finished", "aborted", "timeout", "peer_lost", "error"}
+    return reason if reason in allowed else "error"

@@ -1,0 +1,129 @@
+"""Drive a workload through a router: send at arrival times, collect streamed results.
+
+Used by ``pdkv run``, ``pdkv bench serve`` and the end-to-end tests. Timing is measured
+here, at the client: TTFT = first token received - submitted; TPOT = (last - first) /
+(tokens - 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deploy.client import Client
+from deploy.workload import WorkRequest
+
+
+@dataclass
+class Result:
+    """What the client saw of one request."""
+
+    rid: str
+    prompt_len: int
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    reason: str = ""
+    """stop, length, aborted, error, timeout, peer_lost; empty while in flight."""
+    error: str = ""
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+    xfer_s: float = 0.0
+    """Prefill: last chunk computed -> decode acknowledged the whole KV (0 colocated)."""
+    kv_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.reason in ("stop", "length")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.t_first - self.t_submit if self.t_first else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        n = len(self.output_ids)
+        return (self.t_done - self.t_first) / (n - 1) if n > 1 and self.t_first else 0.0
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "output_ids": self.output_ids, "prompt_len": self.prompt_len,
+                "max_new_tokens": self.max_new_tokens, "reason": self.reason,
+                "error": self.error, "ttft_s": round(self.ttft_s, 6),
+                "tpot_s": round(self.tpot_s, 6), "xfer_s": round(self.xfer_s, 6),
+                "kv_bytes": self.kv_bytes}
+
+
+def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = None,
+          aborts: dict[str, float] | None = None, check: Callable[[], None] | None = None,
+          progress: Callable[[int, int], None] | None = None,
+          timeout_s: float = 600.0) -> dict[str, Result]:
+    """Send ``requests`` at their arrival times and wait for every result.
+
+    Args:
+        params: extra sampling parameters for every request.
+        aborts: rid -> seconds after its submission at which the client aborts it.
+        check: called every loop (the launcher's liveness check raises when a worker died).
+        progress: called with (done, total) when a request completes.
+    Raises:
+        TimeoutError: not every request ended within ``timeout_s``.
+    """
+    results = {r.rid: Result(r.rid, len(r.prompt), r.max_new_tokens) for r in requests}
+    pending_aborts = dict(aborts or {})
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    next_i, done = 0, 0
+    while done < len(requests):
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"{len(requests) - done} requests unfinished after "
+                               f"{timeout_s}s")
+        while next_i < len(requests) and now - t0 >= requests[next_i].arrival_s:
+            req = requests[next_i]
+            results[req.rid].t_submit = time.monotonic()
+            client.submit(req.rid, req.prompt, {"max_new_tokens": req.max_new_tokens,
+                                                **(params or {})})
+            next_i += 1
+        _send_aborts(client, results, pending_aborts, now)
+        wait = 0.05
+        if next_i < len(requests):
+            wait = min(wait, max(0.0, t0 + requests[next_i].arrival_s - now))
+        for msg in client.poll(wait):
+            if _on_message(results, msg):
+                done += 1
+                if progress is not None:
+                    progress(done, len(requests))
+        if check is not None:
+            check()
+    return results
+
+
+def _send_aborts(client: Client, results: dict[str, Result], aborts: dict[str, float],
+                 now: float) -> None:
+    for rid, delay in list(aborts.items()):
+        res = results[rid]
+        if res.reason:
+            del aborts[rid]
+        elif res.t_submit and now >= res.t_submit + delay:
+            client.abort(rid)
+            del aborts[rid]
+
+
+def _on_message(results: dict[str, Result], msg: dict) -> bool:
+    """Apply one router message; True when it ended a request."""
+    res = results.get(msg.get("rid", ""))
+    if res is None or res.reason:
+        return False
+    now = time.monotonic()
+    if msg["t"] == "tokens":
+        res.t_first = res.t_first or now
+        res.output_ids.extend(msg["ids"])
+        return False
+    if msg["t"] in ("done", "error"):
+        res.t_done = now
+        res.reason = msg.get("reason", "error")
+        res.error = msg.get("error", "")
+        res.xfer_s = float(msg.get("xfer_s", 0.0))
+        res.kv_bytes = int(msg.get("kv_bytes", 0))
+        return True
+    return False

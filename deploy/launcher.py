@@ -1,0 +1,228 @@
+"""Launching a deployment on one machine: the router and every worker as processes.
+
+``Cluster`` starts the router, then the workers (devices round-robin), waits until the
+router reports every worker ready, and tears everything down on failure or exit: a
+clean shutdown through the router first, then SIGTERM, then SIGKILL, each with a
+deadline. Workers also get SIGTERM if the launcher dies (``PR_SET_PDEATHSIG``) and exit on
+their own when the router goes silent, so nothing is left behind. A worker that dies is
+named with its exit status and the last lines of its log (``WorkerDied``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import ServeConfig
+from deploy.client import Client
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    """A process of the deployment exited; the message names it and says why."""
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+    reaped: bool = field(default=False)
+
+    def why(self) -> str:
+        code = self.popen.returncode if self.popen else None
+        if code is not None and code < 0:
+            status = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            status = f"exited with status {code}"
+        tail = _tail(self.log, 8)
+        return f"{self.role} {self.name} (pid {self.popen.pid}) {status}" + (
+            f"; last log lines:\n{tail}" if tail else "")
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM this child when the launcher dies, even by SIGKILL.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Cluster:
+    """Router + workers on this machine.
+
+    Args:
+        config: the serving config (the router hands it to every worker).
+        mode: 'disagg' (prefill and decode workers) or 'colocated'.
+        num_prefill: prefill workers (disagg).
+        num_decode: decode workers (disagg) or colocated workers.
+        devices: devices assigned round-robin to workers (``cpu``, ``cuda:0``, ...).
+        log_dir: free logs and process logs; a temporary directory when None.
+        threads: torch threads per worker.
+    """
+
+    def __init__(self, config: ServeConfig, mode: str = "disagg", num_prefill: int = 1,
+                 num_decode: int = 1, devices: list[str] | None = None,
+                 log_dir: str | None = None, threads: int = 1) -> None:
+        if mode not in ("disagg", "colocated"):
+            raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
+        if num_decode < 1 or (mode == "disagg" and num_prefill < 1):
+            raise ValueError("need at least one decode (and one prefill in disagg mode)")
+        self.config, self.mode = config, mode
+        self.devices = devices or ["cpu"]
+        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="pdkv-")
+        self.log_dir = Path(log_dir or self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="pdkv-sock-"))
+        self.threads = threads
+        self.router_addr = self._address("router")
+        self.procs = self._plan(num_prefill, num_decode)
+        self.client: Client | None = None
+        self.final_stats: dict = {}
+
+    def _address(self, name: str) -> str:
+        if self.config.transport == "ipc":
+            return f"ipc://{self.sock_dir}/{name}.sock"
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
+        base = [sys.executable, "-m", "deploy.cli"]
+        cfg_json = json.dumps(self.config.to_dict())
+        procs = [Proc("router", "router", [*base, "router", "--bind", self.router_addr,
+                                           "--config-json", cfg_json],
+                      self.log_dir / "router.log")]
+        roles = ([("prefill", f"prefill{i}") for i in range(num_prefill)]
+                 + [("decode", f"decode{i}") for i in range(num_decode)]
+                 if self.mode == "disagg" else
+                 [("colocated", f"colocated{i}") for i in range(num_decode)])
+        for i, (role, name) in enumerate(roles):
+            argv = [*base, role, "--router", self.router_addr, "--name", name,
+                    "--device", self.devices[i % len(self.devices)], "--log-dir",
+                    str(self.log_dir), "--threads", str(self.threads)]
+            if role == "prefill":
+                argv += ["--kv-bind", self._address(name)]
+            procs.append(Proc(name, role, argv, self.log_dir / f"{name}.log"))
+        return procs
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> Cluster:
+        """Start every process and wait for every ready signal (deadline from config)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            for p in self.procs:
+                with open(p.log, "ab") as log:
+                    p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, env=env,
+                                               preexec_fn=_die_with_parent)
+            self.client = Client(self.router_addr, "launcher")
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        want = {p.name for p in self.procs if p.role != "router"}
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                workers = self.client.status(0.5)["workers"]
+            except TimeoutError:
+                continue
+            ready = {n for n, w in workers.items() if w["ready"]}
+            if want <= ready:
+                logger.info("launcher: %d workers ready", len(want))
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"workers not ready within {self.config.ready_timeout_s}s "
+                           f"(see logs in {self.log_dir})")
+
+    def check(self) -> None:
+        """Raise ``WorkerDied`` if any process has exited."""
+        for p in self.procs:
+            if p.popen is not None and p.popen.poll() is not None:
+                raise WorkerDied(p.why())
+
+    def check_exit_codes(self) -> None:
+        """After ``stop``: raise ``WorkerDied`` naming a process that did not exit 0."""
+        for p in self.procs:
+            if p.popen is not None and p.popen.returncode not in (0, None):
+                raise WorkerDied(p.why())
+
+    def stop(self, timeout_s: float = 20.0) -> dict:
+        """Shut down cleanly (stats per worker), then make sure every process is gone."""
+        if self.client is not None:
+            alive = all(p.popen and p.popen.poll() is None for p in self.procs)
+            if alive:
+                try:
+                    self.final_stats = self.client.shutdown(timeout_s)
+                except TimeoutError:
+                    logger.warning("launcher: router did not confirm shutdown")
+            else:
+                self._terminate_all(signal.SIGTERM)
+            self.client.close()
+            self.client = None
+        self._reap(timeout_s)
+        return self.final_stats
+
+    def _terminate_all(self, sig: int) -> None:
+        for p in self.procs:
+            if p.popen is not None and p.popen.poll() is None:
+                p.popen.send_signal(sig)
+
+    def _reap(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                self._terminate_all(sig)
+            for p in self.procs:
+                if p.popen is None:
+                    continue
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            if all(p.popen is None or p.popen.poll() is not None for p in self.procs):
+                break
+            deadline = time.monotonic() + 5.0
+
+    def freelogs(self) -> list[Path]:
+        return sorted(self.log_dir.glob("*.freelog"))
+
+    def cleanup(self) -> None:
+        """Remove the socket directory and a temporary log directory."""
+        for f in self.sock_dir.glob("*"):
+            f.unlink(missing_ok=True)
+        self.sock_dir.rmdir()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,76 @@
+"""Bodies of the ``pdkv router|prefill|decode|colocated`` processes.
+
+Each sets up logging and threads, builds its object, serves until shutdown and returns an
+exit status: 0 after a clean shutdown, 3 when the router was lost, 1 on an error (logged
+with its traceback). SIGTERM and SIGINT end the loop through the same clean path: rows
+freed, free log closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+
+from common.config import DEFAULT, ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _setup(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    from deploy.worker_base import setup_process
+    setup_process(getattr(args, "threads", 1))
+
+
+def _config(args: argparse.Namespace) -> ServeConfig:
+    if getattr(args, "config_json", None):
+        return ServeConfig.from_dict(json.loads(args.config_json))
+    return DEFAULT
+
+
+def run_router(args: argparse.Namespace) -> int:
+    _setup(args)
+    from deploy.router import serve_router
+    return serve_router(args.bind, _config(args))
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
+    _setup(args)
+    from deploy.worker_base import RouterLost
+    name = args.name or f"{args.command}-{socket.gethostname()}"
+    try:
+        worker = _build(args, name)
+        worker.serve()
+    except RouterLost as exc:
+        logger.error("%s", exc)
+        return 3
+    except (KeyboardInterrupt, SystemExit) as exc:
+        logger.info("%s: stopped by signal (%s)", name, exc)
+        return 0
+    except Exception:
+        logger.exception("%s: fatal error", name)
+        return 1
+    logger.info("%s: clean shutdown", name)
+    return 0
+
+
+def _build(args: argparse.Namespace, name: str):
+    common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir)
+    if args.command == "prefill":
+        from prefill_node.worker import PrefillWorker
+        return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, **common)
+    if args.command == "decode":
+        from decode_node.worker import DecodeWorker
+        return DecodeWorker(**common)
+    from deploy.colocated import ColocatedWorker
+    return ColocatedWorker(**common)

@@ -1,0 +1,100 @@
+"""A request as the workers see it: lifecycle states, sampling parameters, validation.
+
+Lifecycle (ordered; a request only moves forward)::
+
+    QUEUED -> WAITING_KV -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
+                                                                   \\-> ABORTED / FAILED
+
+Prefill uses QUEUED (no decode announced yet), PREFILLING and TRANSFERRING (last chunk
+computed, waiting for the decode's acknowledgement). Decode uses QUEUED (no pool room),
+WAITING_KV (announced, pages arriving) and DECODING. Colocated uses QUEUED, PREFILLING,
+DECODING.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class ReqState(IntEnum):
+    """Where a request is in its life on one worker."""
+
+    QUEUED = 1
+    WAITING_KV = 2
+    PREFILLING = 3
+    TRANSFERRING = 4
+    DECODING = 5
+    FINISHED = 6
+    ABORTED = 7
+    FAILED = 8
+
+    @property
+    def is_finished(self) -> bool:
+        """Finished, aborted or failed: the request holds no pages any more."""
+        return self >= ReqState.FINISHED
+
+    @property
+    def holds_kv(self) -> bool:
+        """The worker holds a row with pages for it."""
+        return ReqState.WAITING_KV <= self <= ReqState.DECODING
+
+
+class BadRequest(ValueError):
+    """A request the service refuses; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. Greedy when ``temperature == 0``."""
+
+    max_new_tokens: int = 16
+    """Generated tokens at most (the first token, computed by prefill, included)."""
+    stop_token: int = -1
+    """Generation ends after this token is emitted (included); -1 for none."""
+    temperature: float = 0.0
+    """0 is greedy; > 0 samples from softmax(logits / temperature)."""
+    seed: int = 0
+    """Seed of sampling when temperature > 0 (a pure function of seed, rid and step)."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        allowed = {"max_new_tokens", "stop_token", "temperature", "seed"}
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise BadRequest(f"unknown sampling parameters {unknown}; allowed: "
+                             f"{sorted(allowed)}")
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise BadRequest(f"bad sampling parameters: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
+                "temperature": self.temperature, "seed": self.seed}
+
+
+def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
+             max_tokens: int, max_new_tokens_limit: int) -> None:
+    """Raise ``BadRequest`` naming the problem; ``max_tokens`` is the longest row
+    (prompt + generated tokens) any pool can hold."""
+    if not prompt:
+        raise BadRequest("empty prompt: send at least one token id")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+    n = params.max_new_tokens
+    if not isinstance(n, int) or not 1 <= n <= max_new_tokens_limit:
+        raise BadRequest(f"max_new_tokens={n!r}; allowed: integers in "
+                         f"[1, {max_new_tokens_limit}]")
+    t = params.temperature
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise BadRequest(f"temperature={t!r}; allowed: a finite number >= 0 (0 = greedy)")
+    if not isinstance(params.stop_token, int) or not -1 <= params.stop_token < vocab_size:
+        raise BadRequest(f"stop_token={params.stop_token!r}; allowed: -1 (none) or "
+                         f"[0, {vocab_size})")
+    if not isinstance(params.seed, int):
+        raise BadRequest(f"seed={params.seed!r} must be an integer")
+    if len(prompt) + n > max_tokens:
+        raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
+                         f"largest pool row ({max_tokens} tokens)")

@@ -1,0 +1,118 @@
+"""``pdkv run``: launch a deployment, serve a seeded workload, report, verify, shut down."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from common.config import DEFAULT, ServeConfig
+from common.replay import replay_file
+from deploy.driver import Result, drive
+from deploy.launcher import Cluster, WorkerDied
+from deploy.summary import format_summary, summarize
+from deploy.workload import WorkloadSpec, make_workload
+
+logger = logging.getLogger(__name__)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The embedded default, then ``--config FILE.json``, then individual flags."""
+    cfg = DEFAULT
+    if getattr(args, "config", None):
+        cfg = ServeConfig.from_dict({**DEFAULT.to_dict(),
+                                     **json.loads(Path(args.config).read_text())})
+    return cfg.with_overrides(
+        model=args.model, dtype=args.dtype, page_size=args.page_size,
+        prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
+        chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
+        debug_integrity=args.debug_integrity)
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(requests=args.requests, seed=args.seed, rate=args.rate,
+                        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len))
+
+
+def serve_workload(cluster: Cluster, spec: WorkloadSpec, progress: bool = False,
+                   aborts: dict[str, float] | None = None
+                   ) -> tuple[dict[str, Result], dict, float]:
+    """Run ``spec`` through a started cluster; returns (results, worker stats, wall s).
+    Stops the cluster (clean shutdown) before returning."""
+    requests = make_workload(spec, cluster.config.model_config().vocab_size)
+    show = _progress_line if progress else None
+    t0 = time.monotonic()
+    try:
+        results = drive(cluster.client, requests, aborts=aborts, check=cluster.check,
+                        progress=show, timeout_s=cluster.config.request_timeout_s)
+    finally:
+        if progress:
+            sys.stderr.write("\n")
+    wall = max((r.t_done for r in results.values()), default=t0) - \
+        min((r.t_submit for r in results.values()), default=t0)
+    stats = cluster.stop()
+    cluster.check_exit_codes()
+    return results, stats, wall
+
+
+def _progress_line(done: int, total: int) -> None:
+    sys.stderr.write(f"\r  {done}/{total} requests done")
+    sys.stderr.flush()
+
+
+def replay_all(paths: list[Path]) -> list[str]:
+    """Replay each free log; returns one line per log with a problem."""
+    problems = []
+    for path in paths:
+        report = replay_file(path)
+        if not report.ok:
+            problems.append(f"{path.name}: {len(report.violations)} violation(s)\n"
+                            f"{report.format()}")
+    return problems
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg, spec = config_from_args(args), workload_from_args(args)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
+                      threads=args.threads)
+    layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
+              else f"{args.decode} colocated")
+    try:
+        cluster.start()
+        if progress:
+            sys.stderr.write(f"pdkv run: {layout} ready, sending {spec.requests} requests\n")
+        results, stats, wall = serve_workload(cluster, spec, progress)
+    except (WorkerDied, TimeoutError) as exc:
+        cluster.stop()
+        print(f"pdkv run: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
+        return 2
+    summary = summarize(results, stats, wall)
+    problems = replay_all(cluster.freelogs())
+    summary["freelogs"] = len(cluster.freelogs())
+    summary["freelog_violations"] = len(problems)
+    if args.output:
+        with open(args.output, "w") as f:
+            for rid in sorted(results):
+                f.write(json.dumps(results[rid].to_json()) + "\n")
+    if args.json:
+        print(json.dumps({"mode": args.mode, "layout": layout, **summary}))
+    else:
+        print(format_summary(summary, args.mode, layout))
+        print(f"  free logs     {summary['freelogs']} replayed, "
+              f"{'clean' if not problems else 'VIOLATIONS'}")
+    for p in problems:
+        print(p, file=sys.stderr)
+    failed = summary["ok"] != summary["requests"]
+    if problems or failed:
+        print(f"pdkv run: {'free-log violations' if problems else 'requests failed'}; "
+              f"logs kept in {cluster.log_dir}", file=sys.stderr)
+        return 1
+    if not args.log_dir:
+        cluster.cleanup()
+    return 0

@@ -1,0 +1,169 @@
+"""What every worker process shares: its link to the router, registration, heartbeats,
+the main loop, shutdown.
+
+A worker is a function: ``build`` (model, pool, sockets), report ready, loop, exit cleanly::
+
+    connect router -> register(role, name) -> registered(config)
+    -> build from config -> ready(kv_addr, pool_tokens) -> loop -> shutdown -> close
+
+The loop alternates control messages from the router, one ``tick`` of work, and load
+reports (which double as heartbeats). A router silent past the lease ends the worker: a
+worker never outlives its deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import zmq
+
+from common.config import ServeConfig
+from common.kv_cache import KvCache
+from common.model import Model
+from common.model_runner import ModelRunner
+from deploy.wire import Link, wait_any
+
+logger = logging.getLogger(__name__)
+
+
+class RouterLost(RuntimeError):
+    """The router went silent past the lease or never answered the registration."""
+
+
+class WorkerBase(ABC):
+    """Base of prefill, decode and colocated workers.
+
+    Args:
+        role: 'prefill', 'decode' or 'colocated'.
+        name: unique worker name (logs, free log file name, router bookkeeping).
+        router: the router's address.
+        device: 'cpu' or 'cuda:N'.
+        log_dir: directory for this worker's free log (``<name>.freelog``); None: no log.
+    """
+
+    role = "worker"
+
+    def __init__(self, name: str, router: str, device: str = "cpu",
+                 log_dir: str | None = None, register_timeout_s: float = 60.0) -> None:
+        self.name, self.device, self.log_dir = name, device, log_dir
+        self.ctx = zmq.Context()
+        self.link = Link(self.ctx, router, name)
+        self.stopping = False
+        self.config = self._register(register_timeout_s)
+        self._last_router = self._next_load = time.monotonic()
+        self.cache: KvCache | None = None
+
+    # -- startup -------------------------------------------------------------------------
+    def _register(self, timeout_s: float) -> ServeConfig:
+        self.link.send({"t": "register", "role": self.role, "name": self.name,
+                        "pid": os.getpid()})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.link.recv(0.2)
+            if msg is None:
+                continue
+            if msg["t"] == "registered":
+                return ServeConfig.from_dict(msg["config"])
+            if msg["t"] == "error":
+                raise RuntimeError(f"{self.name}: router refused registration: "
+                                   f"{msg['error']}")
+        raise RouterLost(f"{self.name}: no answer from the router within {timeout_s}s")
+
+    def make_cache(self, num_pages: int) -> tuple[Model, KvCache, ModelRunner]:
+        """Model, pool (recording to ``<log_dir>/<name>.freelog``) and runner."""
+        mcfg = self.config.model_config()
+        model = Model(mcfg, device=self.device)
+        log = None
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            log = str(Path(self.log_dir) / f"{self.name}.freelog")
+        cache = KvCache(num_pages, self.config.page_size, layout=mcfg.kv_layout(
+            with_draft=self.config.draft_kv), device=self.device, log_path=log,
+            node=self.name, max_rows=self.config.max_rows)
+        self.cache = cache
+        return model, cache, ModelRunner(model, cache)
+
+    def report_ready(self, kv_addr: str = "") -> None:
+        pool = self.cache.num_free_pages() * self.config.page_size if self.cache else 0
+        self.link.send({"t": "ready", "name": self.name, "kv_addr": kv_addr,
+                        "pool_tokens": pool})
+        logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
+                    kv_addr or "-")
+
+    # -- loop ----------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Loop until the router says shutdown (or is lost); then close."""
+        try:
+            while not self.stopping:
+                self._control()
+                busy = self.tick()
+                self._heartbeat()
+                if not busy:
+                    if self.config.debug_integrity and self.cache is not None:
+                        self.cache.check_integrity()
+                    wait_any([self.link.sock, *self.sockets()], 0.02)
+        finally:
+            self.close()
+
+    def _control(self) -> None:
+        for msg in self.link.recv_all():
+            self._last_router = time.monotonic()
+            kind = msg["t"]
+            if kind == "shutdown":
+                logger.info("%s: shutdown requested", self.name)
+                self.stopping = True
+            elif kind != "ping":
+                self.handle(msg)
+        silent = time.monotonic() - self._last_router
+        if silent > self.config.lease_s:
+            raise RouterLost(f"{self.name}: router silent for {silent:.1f}s "
+                             f"(lease {self.config.lease_s}s)")
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_load:
+            self._next_load = now + self.config.heartbeat_s
+            self.link.send({"t": "load", "name": self.name, **self.load()})
+
+    def send(self, msg: dict) -> None:
+        self.link.send(msg)
+
+    def send_stats(self) -> None:
+        self.link.send({"t": "stats", "name": self.name, "stats": self.stats()})
+
+    # -- subclass hooks ------------------------------------------------------------------
+    @abstractmethod
+    def handle(self, msg: dict) -> None:
+        """A control message from the router (req, abort)."""
+
+    @abstractmethod
+    def tick(self) -> bool:
+        """One round of work; True when there was work (the loop does not wait then)."""
+
+    def sockets(self) -> list:
+        """Extra sockets whose input should wake the idle loop."""
+        return []
+
+    def load(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Free everything, close the pool's free log, say goodbye."""
+        try:
+            self.send_stats()
+        finally:
+            self.link.close()
+            self.ctx.term()
+
+
+def setup_process(threads: int) -> None:
+    """Per-process settings of a worker: torch threads, logging."""
+    torch.set_num_threads(max(1, threads))

@@ -1,0 +1,223 @@
+"""The prefill worker: chunked prefill of many requests, KV streamed to their decodes.
+
+A request's steps on this worker:
+
+1. ``req`` arrives from the router (prompt, params, which decode serves it); the decode
+   announces the same rid over the KV transport once it has preallocated the row (READY).
+   Both may arrive in either order (QUEUED until both are in).
+2. When this pool has room for the prompt, the row is opened and extended (PREFILLING).
+3. Each engine step computes a chunk; ``KvSender.send`` pins and streams the full pages.
+4. After the last chunk ``finish`` sends the tail page and the first token (TRANSFERRING).
+5. ``COMPLETED`` (the decode acknowledged everything): the row is freed with ``sent`` and
+   ``prefilled`` goes to the router with the transfer's timings.
+6. An abort (client via router, or the decode via the transport) or a failure frees the
+   row with its reason at any stage; the sender's pins keep pages in flight out of reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from common.ranges import ceil_div
+from deploy.request import ReqState, SamplingParams
+from deploy.wire import unpack_ids
+from deploy.worker_base import WorkerBase
+from prefill_node.engine import PrefillEngine, PrefillTask
+from transport import EventKind, KvSender, TransportConfig
+
+logger = logging.getLogger(__name__)
+_FORGET = 4096  # aborted-before-announce rids remembered
+
+
+@dataclass
+class PrefillReq:
+    """A request on this worker; ``task`` is set once its row is open."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    state: ReqState = ReqState.QUEUED
+    task: PrefillTask | None = None
+    announced: bool = False
+    t_first_send: float = 0.0
+    t_finish: float = 0.0
+
+
+class PrefillWorker(WorkerBase):
+    """One prefill process (one device), bound at ``kv_bind`` for decode peers.
+
+    Args:
+        kv_bind: address the KV sender binds (``tcp://0.0.0.0:5600``, ``ipc://...``).
+        kv_advertise: address decodes should connect to (default: the bound one).
+    """
+
+    role = "prefill"
+
+    def __init__(self, name: str, router: str, kv_bind: str, kv_advertise: str = "",
+                 device: str = "cpu", log_dir: str | None = None) -> None:
+        super().__init__(name, router, device, log_dir)
+        cfg = self.config
+        self.model, cache, self.runner = self.make_cache(cfg.prefill_pages)
+        self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
+                                    with_draft=cfg.draft_kv)
+        self.sender = KvSender(cache, kv_bind, TransportConfig(
+            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s),
+            ctx=self.ctx)
+        self.reqs: OrderedDict[str, PrefillReq] = OrderedDict()
+        self.early_ready: set[str] = set()
+        self.dropped: deque[str] = deque(maxlen=_FORGET)
+        self.windows: list[tuple[float, float]] = []
+        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0}
+        self.report_ready(kv_advertise or self.sender.address)
+
+    # -- control -------------------------------------------------------------------------
+    def handle(self, msg: dict) -> None:
+        if msg["t"] == "req":
+            rid = msg["rid"]
+            req = PrefillReq(rid, unpack_ids(msg["prompt"]),
+                             SamplingParams.from_dict(msg["params"]))
+            req.announced = rid in self.early_ready
+            self.early_ready.discard(rid)
+            self.reqs[rid] = req
+        elif msg["t"] == "abort":
+            self._abort(msg["rid"])
+
+    def _abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            self.dropped.append(rid)
+            if rid in self.early_ready:
+                self.early_ready.discard(rid)
+                self.sender.abort(rid, detail="client abort")
+            return
+        if req.announced:
+            self.sender.abort(rid, detail="client abort")
+        self._end(req, "aborted")
+
+    # -- work ----------------------------------------------------------------------------
+    def tick(self) -> bool:
+        for ev in self.sender.poll(0):
+            self._on_event(ev)
+        admitted = self._admit()
+        if not self.engine.has_work:
+            return admitted
+        advanced, finished = self.engine.step()
+        now = time.monotonic()
+        for task in advanced:
+            req = self.reqs[task.rid]
+            req.t_first_send = req.t_first_send or now
+            if task.first_token is None:
+                self.sender.send(task.rid, task.kv, task.done)
+        for task in finished:
+            req = self.reqs[task.rid]
+            req.state, req.t_finish = ReqState.TRANSFERRING, now
+            self.sender.finish(task.rid, task.kv, task.first_token)
+        return True
+
+    def _admit(self) -> bool:
+        """Open rows for announced requests, in arrival order, while the pool has room."""
+        any_admitted = False
+        for req in self.reqs.values():
+            if req.state != ReqState.QUEUED or not req.announced:
+                continue
+            need = ceil_div(len(req.prompt), self.cache.page_size)
+            if self.cache.num_free_pages() < need or len(self.engine.tasks) >= \
+                    self.config.max_rows - 1:
+                break
+            kv = self.cache.open_row(req.rid)
+            self.cache.extend(kv, len(req.prompt))
+            req.task = PrefillTask(req.rid, req.prompt, req.params, kv)
+            req.state = ReqState.PREFILLING
+            self.engine.add(req.task)
+            any_admitted = True
+        return any_admitted
+
+    def _on_event(self, ev) -> None:
+        if ev.kind == EventKind.READY:
+            self._on_ready(ev.rid)
+            return
+        req = self.reqs.get(ev.rid)
+        if ev.kind == EventKind.COMPLETED and req is not None:
+            self._end(req, "sent")
+        elif ev.kind.is_final and req is not None:
+            self._end(req, ev.reason or "error", ev.detail)
+        elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
+            logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+
+    def _on_ready(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            req.announced = True
+        elif rid in self.dropped:
+            self.sender.abort(rid, detail="client abort")
+        else:
+            self.early_ready.add(rid)
+
+    def _end(self, req: PrefillReq, reason: str, detail: str = "") -> None:
+        """Free the row (``sent`` after a complete transfer), report to the router."""
+        now = time.monotonic()
+        self.reqs.pop(req.rid, None)
+        self.dropped.append(req.rid)
+        self.engine.remove(req.rid)
+        if req.task is not None:
+            kv = req.task.kv
+            self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=_free_reason(reason))
+            self.cache.close_row(kv)
+        kind = "sent" if reason == "sent" else ("aborted" if reason == "aborted" else "failed")
+        self.counts[kind] += 1
+        msg = {"t": "prefilled", "rid": req.rid, "reason": reason}
+        if reason == "sent":
+            self.counts["prompt_tokens"] += len(req.prompt)
+            self.windows.append((req.t_first_send, now))
+            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(len(req.prompt)))
+        if detail:
+            msg["error"] = detail
+        req.state = ReqState.FINISHED if reason == "sent" else ReqState.ABORTED
+        self.send(msg)
+
+    def _kv_bytes(self, prompt_len: int) -> int:
+        ps = self.cache.page_size
+        return ceil_div(prompt_len, ps) * self.cache.layout.page_bytes(ps)
+
+    # -- reporting and shutdown ----------------------------------------------------------
+    def sockets(self) -> list:
+        return [self.sender.router.sock]
+
+    def load(self) -> dict:
+        queued = sum(len(r.prompt) for r in self.reqs.values() if r.state == ReqState.QUEUED)
+        return {"running": len(self.engine.tasks), "queued": len(self.reqs),
+                "queued_tokens": queued,
+                "free_tokens": self.cache.num_free_pages() * self.cache.page_size}
+
+    def stats(self) -> dict:
+        return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),
+                "stream_busy_s": _union_length(self.windows),
+                "tokens_computed": self.engine.num_tokens_computed}
+
+    def close(self) -> None:
+        for req in list(self.reqs.values()):
+            if req.announced and req.state != ReqState.FINISHED:
+                self.sender.abort(req.rid, detail="worker shutting down")
+            self._end(req, "aborted", "worker shutting down")
+        self.sender.close()
+        self.cache.check_integrity()
+        self.cache.close()
+        super().close()
+
+
+def _free_reason(reason: str) -> str:
+    allowed = {"sent", "aborted", "timeout", "peer_lost", "error"}
+    return reason if reason in allowed else "error"
+
+
+def _union_length(windows: list[tuple[float, float]]) -> float:
+    """Total time covered by the union of ``[start, end)`` windows."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(windows):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
