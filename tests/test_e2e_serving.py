@@ -1,0 +1,147 @@
+"""End to end: router and workers as real processes over real ZMQ sockets.
+
+Every story ends with a clean shutdown and every free log replaying clean. float64 on
+CPU, so disaggregated outputs must equal colocated ones and the reference token by token.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.config import ServeConfig
+from common.model import Model
+from common.reference import generate_greedy
+from common.replay import replay_file
+from deploy.driver import drive
+from deploy.launcher import Cluster, WorkerDied
+from deploy.run import serve_workload
+from deploy.workload import WorkloadSpec, make_workload
+
+pytestmark = pytest.mark.timeout(180)
+
+CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
+                  chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
+                  debug_integrity=True)
+SPEC = WorkloadSpec(requests=8, seed=3, rate=40.0, prompt_len=(1, 90), output_len=(1, 12))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of the workload, one request at a time in this process."""
+    reqs = make_workload(SPEC, CFG.model_config().vocab_size)
+    model = Model(CFG.model_config())
+    return {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+            for r in reqs}
+
+
+def _assert_logs_clean(cluster: Cluster, expect: int) -> None:
+    logs = cluster.freelogs()
+    assert len(logs) == expect, logs
+    for log in logs:
+        report = replay_file(log)
+        assert report.ok, report.format()
+        assert not report.warnings, report.warnings
+
+
+@pytest.mark.parametrize("mode, num_prefill, num_decode", [
+    ("colocated", 0, 1), ("disagg", 1, 1), ("disagg", 2, 1), ("disagg", 1, 2)])
+def test_outputs_are_token_identical_to_the_reference(tmp_path, reference, mode,
+                                                      num_prefill, num_decode):
+    cluster = Cluster(CFG, mode, num_prefill, num_decode, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, SPEC)
+    assert {rid: r.reason for rid, r in results.items()} == {
+        rid: "length" for rid in reference}
+    assert {rid: r.output_ids for rid, r in results.items()} == reference
+    if mode == "disagg":
+        assert sum(s.get("sent", 0) for s in stats.values()) == SPEC.requests
+        assert sum(s.get("bytes_sent", 0) for s in stats.values()) > 0
+        assert all(r.kv_bytes > 0 for r in results.values())
+    _assert_logs_clean(cluster, num_prefill + num_decode)
+
+
+def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, reference):
+    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    client = cluster.client
+    bad = {
+        "empty": ([], {}, "empty prompt"),
+        "long": ([1] * 700, {}, "exceeds the largest pool row"),
+        "vocab": ([1, 99999], {}, "token ids"),
+        "n": ([1, 2], {"max_new_tokens": -3}, "max_new_tokens"),
+        "temp": ([1, 2], {"temperature": "hot"}, "temperature"),
+        "param": ([1, 2], {"beam": 4}, "unknown sampling parameters"),
+    }
+    for rid, (prompt, params, _) in bad.items():
+        client.submit(rid, prompt, params)
+    client.abort("nobody")
+    errors, deadline = {}, time.monotonic() + 10
+    while len(errors) < len(bad) + 1 and time.monotonic() < deadline:
+        errors.update({m["rid"]: m["error"] for m in client.poll(0.1) if m["t"] == "error"})
+    for rid, (_, _, words) in bad.items():
+        assert words in errors[rid], (rid, errors[rid])
+    assert "unknown rid 'nobody'" in errors["nobody"]
+    results, _, _ = serve_workload(cluster, SPEC)   # still serving, still exact
+    assert {rid: r.output_ids for rid, r in results.items()} == reference
+    _assert_logs_clean(cluster, 2)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_aborts_at_random_moments_leak_nothing(tmp_path, mode):
+    # A small decode pool queues requests; long prompts in small chunks keep prefill and
+    # transfer busy, so aborts land queued, prefilling, transferring and decoding.
+    cfg = CFG.with_overrides(decode_pages=48, chunk_size=8, max_prefill_tokens=16)
+    spec = WorkloadSpec(requests=24, seed=11, rate=0.0, prompt_len=(20, 120),
+                        output_len=(4, 30))
+    reqs = make_workload(spec, cfg.model_config().vocab_size)
+    rng = random.Random(5)
+    aborts = {r.rid: rng.uniform(0.0, 0.6) for r in reqs if rng.random() < 0.6}
+    cluster = Cluster(cfg, mode, 1, 1, log_dir=str(tmp_path)).start()
+    results = drive(cluster.client, reqs, aborts=aborts, check=cluster.check, timeout_s=120)
+    stats = cluster.stop()
+    cluster.check_exit_codes()
+    reasons = {r.reason for r in results.values()}
+    assert reasons <= {"length", "aborted"}, reasons
+    assert sum(r.reason == "aborted" for r in results.values()) >= 3
+    model = Model(cfg.model_config())
+    for r in reqs:   # requests that were not aborted are still exact
+        if results[r.rid].reason == "length":
+            assert results[r.rid].output_ids == generate_greedy(
+                model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+    assert sum(s.get("aborted", 0) for s in stats.values()) >= 3
+    _assert_logs_clean(cluster, 2 if mode == "disagg" else 1)
+
+
+def test_a_killed_worker_is_named_and_nothing_is_left_running(tmp_path):
+    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    decode = next(p for p in cluster.procs if p.name == "decode0")
+    os.kill(decode.popen.pid, signal.SIGKILL)
+    reqs = make_workload(WorkloadSpec(requests=4, seed=1, rate=0.0), 512)
+    with pytest.raises(WorkerDied, match=r"decode decode0 \(pid \d+\) killed by signal SIGKILL"):
+        drive(cluster.client, reqs, check=cluster.check, timeout_s=30)
+    cluster.stop()
+    assert all(p.popen.poll() is not None for p in cluster.procs)
+    report = replay_file(tmp_path / "prefill0.freelog")   # the survivor shut down cleanly
+    assert report.ok, report.format()
+
+
+def test_pdkv_run_cli_writes_jsonl_and_a_json_summary(tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "run", "--requests", "6", "--rate", "0",
+         "--seed", "4", "--output", str(out), "--json", "--log-dir", str(tmp_path / "logs"),
+         "--prompt-len", "8", "40", "--output-len", "2", "6"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    summary = json.loads(proc.stdout)
+    assert summary["ok"] == 6 and summary["freelog_violations"] == 0
+    assert summary["freelogs"] == 2 and summary["kv_bytes"] > 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["rid"] for x in lines] == [f"s4-r{i:05d}" for i in range(6)]
+    assert all(2 <= len(x["output_ids"]) <= 6 for x in lines)
