@@ -1,19 +1,23 @@
 """The data path: page runs out of a source pool, into a destination pool.
 
 Workers never see this module; ``KvSender``/``KvReceiver`` drive it. A new backend (CUDA
-IPC, NIXL/RDMA, shared memory) implements ``DataChannel`` (how bytes of a run leave, and
-when the source pages may be touched again) and reuses ``PoolView`` and ``coalesce``.
+IPC, NIXL/RDMA) implements ``DataChannel`` (how bytes of a run leave, and when the source
+pages may be touched again) and reuses ``PoolView`` and ``coalesce``; ``shm.ShmChannel``
+is the same-host example.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 import zmq
 
+from .messages import KvChunk, encode
 from .sockets import RouterSocket
 
 
@@ -24,41 +28,72 @@ class Completion(Protocol):
     def done(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class BlockRun:
+    """Blocks ``[first_block, first_block + len(src_pages))`` of request ``rid`` for one leg.
+
+    ``src_pages`` (this rank's pool) and ``dest_pages`` (the decode rank's pool) are the
+    page ids of those blocks; ``heads`` are the leg's global heads and ``src_heads`` where
+    they lie in the source pool's head axis.
+    """
+
+    peer: bytes
+    rid: str
+    first_block: int
+    src_pages: np.ndarray
+    dest_pages: np.ndarray
+    heads: tuple[int, int]
+    src_heads: slice
+
+
 class DataChannel(ABC):
-    """Sends one data frame (a header plus a run of page bytes) to one peer."""
+    """Moves the bytes of page runs to one kind of peer; control stays on ZMQ."""
 
     name = "abstract"
 
     @abstractmethod
-    def send_frame(self, peer: bytes, header: bytes, payload: np.ndarray) -> Completion:
-        """Queue ``payload`` (a view of pinned pages or a staging copy) without copying it.
+    def send_blocks(self, run: BlockRun) -> list[Completion]:
+        """Move ``run`` to its peer (or queue it) and announce it with a control message.
 
-        Args:
-            peer: routing id of the destination rank.
-            header: the encoded ``KvChunk``.
-            payload: bytes to move; the channel keeps a reference until the completion is
-                done, the caller keeps the source pages pinned until then.
-        Returns:
-            the completion to poll; the pages stay the caller's.
+        The caller keeps the source pages pinned until every returned completion is done;
+        the decode keeps the destination pages pinned until the peer says it stopped.
+        Raises:
+            zmq.ZMQError: EHOSTUNREACH when the peer is gone (nothing more is sent).
         """
 
 
 class ZmqChannel(DataChannel):
-    """Data frames ride the control connection, zero-copy with a ``MessageTracker``."""
+    """Data frames ride the control connection, zero-copy, completion by ``MessageTracker``.
+
+    Only the last frame of a ``send_blocks`` call is tracked: ZMQ writes one
+    connection's messages in order, so once the last is released the earlier ones are.
+    """
 
     name = "zmq"
 
-    def __init__(self, router: RouterSocket):
-        self.router = router
+    def __init__(self, router: RouterSocket, pool: PoolView, max_frame_bytes: int,
+                 stats: Counter):
+        self.router, self.pool, self.stats = router, pool, stats
+        self.max_frame_bytes = max_frame_bytes
 
-    def send_frame(self, peer: bytes, header: bytes, payload: np.ndarray) -> Completion:
-        tracker = self.router.send(peer, [header, payload], track=True)
-        assert tracker is not None
-        return tracker
+    def send_blocks(self, run: BlockRun) -> list[Completion]:
+        heads = run.src_heads
+        max_run = max(1, self.max_frame_bytes // self.pool.block_bytes(heads.stop - heads.start))
+        runs = coalesce(run.src_pages, max_run)
+        tracker = None
+        for i, (offset, length) in enumerate(runs):
+            payload = self.pool.read(int(run.src_pages[offset]), length, heads)
+            header = encode(KvChunk(rid=run.rid, first_block=run.first_block + offset,
+                                    num_blocks=length, head_start=run.heads[0],
+                                    head_end=run.heads[1], nbytes=payload.nbytes))
+            tracker = self.router.send(run.peer, [header, payload], track=i == len(runs) - 1)
+            self.stats["bytes_sent"] += payload.nbytes
+        self.stats["frames_sent"] += len(runs)
+        return [] if tracker is None else [tracker]
 
 
 class PoolView:
-    """Byte views of a KvCache data tensor (no copy; the cache owns the memory).
+    """Byte views of a KvCache data tensor (no copy; whoever holds the tensor owns it).
 
     ``# shaped: [num_pages, total_layers, 2, page_size, heads_per_rank, head_dim * itemsize]``
     """
@@ -80,6 +115,10 @@ class PoolView:
             return self.flat[first_page:first_page + num_pages]
         return np.ascontiguousarray(self.shaped[first_page:first_page + num_pages, :, :, :,
                                                 heads])
+
+    def run_view(self, first_page: int, num_pages: int) -> np.ndarray:
+        """Writable bytes of consecutive pages (all heads), to receive a frame into."""
+        return self.flat[first_page:first_page + num_pages].reshape(-1)
 
     def write(self, dest_pages: np.ndarray, heads: slice, payload: memoryview) -> None:
         """Scatter ``payload`` (``[len(dest_pages), ..., heads, ...]``) into ``dest_pages``."""

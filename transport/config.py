@@ -31,6 +31,10 @@ class TransportConfig:
     """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
     max_frame_bytes: int = 8 << 20
     """Prefill: coalesced page runs are cut into data frames of at most this many bytes."""
+    shared_memory: bool = True
+    """Use the same-host shared-memory data path when possible: decode offers its pool if
+    it lives in shared memory (``KvCache(shared_memory=True)``), prefill maps an offered
+    pool when both run on one host. False on either side keeps ZMQ data frames."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

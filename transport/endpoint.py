@@ -93,7 +93,7 @@ def encode_frames(msg: Message) -> list[bytes]:
     return [encode(msg)]
 
 
-def unexpected_frames(msg: Message, frames: list) -> ProtocolError:
+def unexpected_frames(msg: Message, num_extra: int) -> ProtocolError:
     rid = getattr(msg, "rid", None)
     return ProtocolError(ErrorCode.EXTRA_FRAMES, f"{type(msg).__name__} followed by "
-                         f"{len(frames) - 1} data frame(s)", rid)
+                         f"{num_extra} more frame(s)", rid)

@@ -11,6 +11,7 @@ from common.layout import KvLayout
 
 from .config import TransportConfig
 from .messages import PROTOCOL_VERSION, Hello
+from .shm import host_id
 
 # fields that must be equal on both ends of a transfer
 _MUST_MATCH = ("version", "model", "num_layers", "num_draft_layers", "total_kv_heads",
@@ -21,14 +22,19 @@ class HandshakeError(RuntimeError):
     """The peer's version, model, KV layout or TP setup is incompatible with ours."""
 
 
-def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str) -> Hello:
-    """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only."""
+def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str,
+               shm_pool: str = "", shm_pages: int = 0) -> Hello:
+    """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only.
+
+    A decode passes its shared pool (``shm_pool``, ``shm_pages``) to offer it."""
     return Hello(version=PROTOCOL_VERSION, node=config.node, role=role, model=config.model,
                  num_layers=layout.num_layers, num_draft_layers=layout.num_draft_layers,
                  total_kv_heads=layout.num_kv_heads * config.tp_size,
                  head_dim=layout.head_dim, dtype=layout.dtype, page_size=page_size,
                  tp_rank=config.tp_rank, tp_size=config.tp_size,
-                 lease_ms=int(config.lease_s * 1000))
+                 lease_ms=int(config.lease_s * 1000), host_id=host_id(),
+                 shm_pool=shm_pool if config.shared_memory else "",
+                 shm_pages=shm_pages if config.shared_memory and shm_pool else 0)
 
 
 def check(mine: Hello, theirs: Hello) -> None:

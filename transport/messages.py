@@ -3,7 +3,9 @@
 Every message is a frozen dataclass with an explicit field list. On the wire it is one
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
 followed by exactly one raw data frame (the page bytes), every other message by none.
-Page ids travel as little-endian int32 ``bytes``. Nothing is ever pickled.
+Page ids travel as little-endian int32 ``bytes``. Nothing is ever pickled. A field with a
+default (only ``Hello``'s same-host fields) may be absent, so that a version-1 ``Hello``
+still decodes and fails the handshake on ``version`` rather than on a missing field.
 
 ``decode`` never raises anything but ``ProtocolError``: unknown types, missing fields,
 wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
@@ -19,7 +21,7 @@ from enum import Enum
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: same-host shared-memory data path (KvWritten)
 MAX_HEADER_BYTES = 64 * 1024
 
 
@@ -68,6 +70,10 @@ class Hello:
     tp_rank: int
     tp_size: int
     lease_ms: int        # how long the sender of this Hello may be silent before it is lost
+    # version 2, same-host shared memory (absent in a version-1 Hello):
+    host_id: str = ""    # "<hostname>/<boot_id>": equal ids prove both ends share a kernel
+    shm_pool: str = ""   # decode: its pool's segment, offered; prefill: the one it mapped
+    shm_pages: int = 0   # decode: pages of that pool (its shape follows from the layout)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,19 @@ class KvChunk:
     head_start: int
     head_end: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class KvWritten:
+    """Prefill -> decode, shared-memory legs: blocks ``[first_block, first_block +
+    num_blocks)``, heads ``[head_start, head_end)``, were copied straight into the decode's
+    ``dest_pages`` (no data frame follows). Sent after the copy finished."""
+
+    rid: str
+    first_block: int
+    num_blocks: int
+    head_start: int
+    head_end: int
 
 
 @dataclass(frozen=True)
@@ -159,11 +178,14 @@ class Error:
     rid: str
 
 
-Message = (Hello | Announce | Accepted | KvChunk | Done | Ack | Abort | AbortAck | Heartbeat
-           | Bye | Error)
+Message = (Hello | Announce | Accepted | KvChunk | KvWritten | Done | Ack | Abort | AbortAck
+           | Heartbeat | Bye | Error)
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 _FIELD_TYPES: dict[type, dict[str, type]] = {
     cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    for cls in MESSAGE_TYPES.values()}
+_OPTIONAL: dict[type, set[str]] = {
+    cls: {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     for cls in MESSAGE_TYPES.values()}
 
 
@@ -201,6 +223,8 @@ def _checked_fields(cls: type, body: dict) -> dict:
     rid = body.get("rid") if isinstance(body.get("rid"), str) else None
     for name, want in _FIELD_TYPES[cls].items():
         if name not in body:
+            if name in _OPTIONAL[cls]:
+                continue
             raise ProtocolError(ErrorCode.MISSING_FIELD, f"{cls.__name__}.{name} missing", rid)
         value = body[name]
         # bool is an int subclass; a flag where a count is expected is still a type error

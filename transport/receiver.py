@@ -10,6 +10,11 @@ A worker's loop::
     for ev in rx.poll(0.01):   # COMPLETED carries first_token; ABORTED/FAILED carry reason
         ...
 
+Data frames are received straight into the destination pages when a frame's pages are
+consecutive and carry all of this rank's heads (``recv_into``, one copy); otherwise the
+frame is scattered. With a shared pool (``KvCache(shared_memory=True)``) the receiver
+offers it and a same-host prefill writes the pages itself (``KvWritten``, no frame).
+
 Destination pages are pinned from ``announce`` until every sending rank is done with them;
 on ABORTED/FAILED the worker frees its row with ``event.reason`` at once (the pin defers
 the pages' release until the peer confirmed it stopped or its lease ran out).
@@ -42,6 +47,7 @@ from .messages import (
     Heartbeat,
     Hello,
     KvChunk,
+    KvWritten,
     Message,
     ProtocolError,
     decode,
@@ -68,7 +74,9 @@ class KvReceiver(Endpoint):
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self.pool = PoolView(cache.data())
-        self.hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode")
+        shm_name = getattr(cache, "shared_memory_name", lambda: None)() or ""
+        self.hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
+                                          shm_pool=shm_name, shm_pages=cache.num_pages)
         self.sockets: dict[bytes, DealerSocket] = {}
         self.groups: list[list[bytes]] = []
         self.transfers: dict[str, Incoming] = {}
@@ -177,6 +185,10 @@ class KvReceiver(Endpoint):
         try:
             theirs = self._await_hello(sock, address, deadline)
             handshake.check(self.hello, theirs)
+            if theirs.shm_pool not in ("", self.hello.shm_pool):
+                raise handshake.HandshakeError(f"{address}: prefill maps pool "
+                                               f"{theirs.shm_pool!r}, we offered "
+                                               f"{self.hello.shm_pool!r}")
         except BaseException:
             sock.close()
             raise
@@ -184,8 +196,9 @@ class KvReceiver(Endpoint):
         self.sockets[sock.identity] = sock
         self.peers[sock.identity] = Peer(sock.identity, theirs, now, now + cfg.heartbeat_s)
         self._poller.register(sock.sock, zmq.POLLIN)
-        logger.info("%s: connected to %s at %s", cfg.node, self.peers[sock.identity].name,
-                    address)
+        logger.info("%s: connected to %s at %s (data path %s)", cfg.node,
+                    self.peers[sock.identity].name, address,
+                    "shm" if theirs.shm_pool else "zmq")
         return sock.identity
 
     def _await_hello(self, sock: DealerSocket, address: str, deadline: float) -> Hello:
@@ -222,23 +235,27 @@ class KvReceiver(Endpoint):
 
     # -- incoming ------------------------------------------------------------------------
     def _drain(self, key: bytes, sock: DealerSocket) -> None:
-        while (frames := sock.recv_nowait()) is not None:
+        while (head := sock.recv_first_nowait()) is not None:
             self.stats["msgs_recv"] += 1
             self._touch(key)
             try:
-                self._dispatch(self.peers[key], frames)
+                self._dispatch(self.peers[key], sock, head)
             except ProtocolError as exc:
                 self._protocol_error(key, exc)
                 self._fail_rid(exc.rid, "error", str(exc))
+            finally:
+                sock.skip_rest()  # a rejected message's data frame must not look like a message
 
-    def _dispatch(self, peer: Peer, frames: list) -> None:
-        msg = decode(frames[0].bytes)
+    def _dispatch(self, peer: Peer, sock: DealerSocket, head: bytes) -> None:
+        msg = decode(head)
         if isinstance(msg, KvChunk):
-            self._on_chunk(peer, msg, frames)
+            self._on_chunk(peer, msg, sock)
             return
-        if len(frames) > 1:
-            raise unexpected_frames(msg, frames)
-        if isinstance(msg, AbortAck):
+        if sock.more():
+            raise unexpected_frames(msg, sock.skip_rest())
+        if isinstance(msg, KvWritten):
+            self._on_written(peer, msg)
+        elif isinstance(msg, AbortAck):
             inc = self.transfers.get(msg.rid)
             if inc is not None and peer.key in inc.legs:
                 inc.legs[peer.key].abort_acked = True
@@ -287,10 +304,11 @@ class KvReceiver(Endpoint):
             self._abort_legs(inc, msg.reason, msg.detail)
             self._close(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
 
-    def _on_chunk(self, peer: Peer, msg: KvChunk, frames: list) -> None:
+    def _leg_for_blocks(self, peer: Peer, msg: KvChunk | KvWritten) -> tuple | None:
+        """``(request, leg)`` for a chunk's blocks; None for a late one of a closed rid."""
         inc = self._incoming(peer, msg.rid)
         if inc is None:
-            return
+            return None
         leg = inc.legs[peer.key]
         lo, hi = msg.first_block, msg.first_block + msg.num_blocks
         if (msg.head_start, msg.head_end) != leg.heads or msg.num_blocks < 1 or not (
@@ -299,26 +317,56 @@ class KvReceiver(Endpoint):
                                 f"[{msg.head_start}, {msg.head_end}) outside blocks "
                                 f"[{inc.cached_blocks}, {inc.total_blocks}) heads {leg.heads}",
                                 msg.rid)
-        self._check_sizes(msg, frames, leg.heads[1] - leg.heads[0])
+        return inc, leg
+
+    def _on_chunk(self, peer: Peer, msg: KvChunk, sock: DealerSocket) -> None:
+        found = self._leg_for_blocks(peer, msg)
+        if found is None:
+            return
+        inc, leg = found
+        if not sock.more():
+            raise ProtocolError(ErrorCode.TRUNCATED, "KvChunk without its data frame", msg.rid)
+        want = msg.num_blocks * self.pool.block_bytes(leg.heads[1] - leg.heads[0])
+        if msg.nbytes != want:
+            raise self._size_error(msg, msg.nbytes, want)
+        dest = inc.dest_pages[msg.first_block:msg.first_block + msg.num_blocks]
         h = self.hello
         heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
-        self.pool.write(inc.dest_pages[lo:hi], heads, frames[1].buffer)
-        leg.blocks_received += msg.num_blocks
-        inc.t_progress = time.monotonic()
+        if heads.stop - heads.start == self.pool.num_heads and np.all(np.diff(dest) == 1):
+            got = sock.recv_into(self.pool.run_view(int(dest[0]), len(dest)))
+            self.stats["frames_recv_into"] += 1
+        else:
+            frame = sock.recv_part()
+            got = len(frame.buffer)
+            if got == want:
+                self.pool.write(dest, heads, frame.buffer)
+        if got != want:  # a longer frame was cut at want: only this rid's pinned pages
+            raise self._size_error(msg, got, want)
+        if sock.more():
+            raise unexpected_frames(msg, sock.skip_rest())
+        self._count_blocks(inc, leg, msg.num_blocks)
         self.stats["frames_recv"] += 1
-        self.stats["bytes_recv"] += msg.nbytes
+        self.stats["bytes_recv"] += want
 
-    def _check_sizes(self, msg: KvChunk, frames: list, num_heads: int) -> None:
-        want = msg.num_blocks * self.pool.block_bytes(num_heads)
-        if len(frames) < 2:
-            raise ProtocolError(ErrorCode.TRUNCATED, "KvChunk without its data frame", msg.rid)
-        if len(frames) > 2:
-            raise unexpected_frames(msg, frames[1:])
-        got = len(frames[1].buffer)
-        if got != want or msg.nbytes != want:
-            code = ErrorCode.OVERSIZED if max(got, msg.nbytes) > want else ErrorCode.TRUNCATED
-            raise ProtocolError(code, f"data frame of {got} bytes (header says {msg.nbytes})"
-                                f", {msg.num_blocks} blocks need {want}", msg.rid)
+    def _on_written(self, peer: Peer, msg: KvWritten) -> None:
+        """A same-host prefill copied the blocks into our shared pool itself."""
+        if not (self.hello.shm_pool and peer.hello.shm_pool == self.hello.shm_pool):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, which "
+                                "did not map our pool", msg.rid)
+        found = self._leg_for_blocks(peer, msg)
+        if found is not None:
+            self._count_blocks(*found, msg.num_blocks)
+            self.stats["shm_writes_recv"] += 1
+
+    def _count_blocks(self, inc: Incoming, leg: InLeg, num_blocks: int) -> None:
+        leg.blocks_received += num_blocks
+        inc.t_progress = time.monotonic()
+
+    @staticmethod
+    def _size_error(msg: KvChunk, got: int, want: int) -> ProtocolError:
+        code = ErrorCode.OVERSIZED if got > want else ErrorCode.TRUNCATED
+        return ProtocolError(code, f"data frame of {got} bytes (header says {msg.nbytes}), "
+                             f"{msg.num_blocks} blocks need {want}", msg.rid)
 
     def _on_done(self, inc: Incoming, leg: InLeg, msg: Done) -> None:
         want = inc.total_blocks - inc.cached_blocks

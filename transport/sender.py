@@ -10,20 +10,22 @@ A worker's loop::
     cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="sent")  # safe at once: pinned
 
 The sender pins source pages when ``send``/``finish`` hands them over and unpins each
-run once ZMQ released its zero-copy reference (``MessageTracker``) or the peer is gone;
+run once ZMQ released its zero-copy reference (``MessageTracker``), once its copy into a
+same-host decode's shared pool returned (``shm.ShmChannel``), or once the peer is gone;
 the worker alone frees rows (reason from the final ``Event``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
 import zmq
 
-from . import handshake, tp
-from .channel import DataChannel, PoolView, ZmqChannel, coalesce, is_unreachable
+from . import handshake, shm, tp
+from .channel import BlockRun, DataChannel, PoolView, ZmqChannel, is_unreachable
 from .config import TransportConfig
 from .endpoint import Endpoint, unexpected_frames
 from .events import Event, EventKind, Peer
@@ -39,7 +41,6 @@ from .messages import (
     ErrorCode,
     Heartbeat,
     Hello,
-    KvChunk,
     Message,
     ProtocolError,
     decode,
@@ -70,8 +71,11 @@ class KvSender(Endpoint):
         self._ctx = ctx or zmq.Context()
         self.router = RouterSocket(self._ctx, address)
         self.address = self.router.address_bound
-        self.channel: DataChannel = ZmqChannel(self.router)
         self.pool = PoolView(cache.data())
+        self.channel: DataChannel = ZmqChannel(self.router, self.pool, config.max_frame_bytes,
+                                               self.stats)
+        self.shm: dict[bytes, shm.ShmChannel] = {}   # decode peers whose pool is mapped
+        self._last_sent: dict[bytes, float] = {}     # peer -> monotonic time of our last send
         self.hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill")
         self.transfers: dict[str, Outgoing] = {}
 
@@ -83,10 +87,7 @@ class KvSender(Endpoint):
         Returns:
             events since the last call, oldest first.
         """
-        item = self.router.recv(int(timeout_s * 1000))
-        while item is not None:
-            self._dispatch(*item)
-            item = self.router.recv(0)
+        self._drain(int(timeout_s * 1000))
         now = time.monotonic()
         self._tick_peers(now)
         for out in list(self.transfers.values()):
@@ -102,6 +103,7 @@ class KvSender(Endpoint):
             False (nothing pinned) when ``rid`` was aborted or failed; its final event is
             or will be in ``poll``'s answer, and the worker frees the row then.
         """
+        self._drain(0)  # a decode's Abort must be seen before writing into its pool
         out = self._outgoing_for_send(rid, kv)
         if out is None:
             return False
@@ -112,6 +114,7 @@ class KvSender(Endpoint):
     def finish(self, rid: str, kv, first_token: int) -> bool:
         """Hand over the whole prompt (``kv.allocated_len`` >= prompt length) and send
         ``Done`` with ``first_token`` once every block is queued. Returns as ``send``."""
+        self._drain(0)
         out = self._outgoing_for_send(rid, kv)
         if out is None:
             return False
@@ -147,18 +150,27 @@ class KvSender(Endpoint):
             for pin in out.pins:
                 self.cache.unpin(pin.pin_id)
         self.transfers.clear()
+        for channel in self.shm.values():
+            channel.close()
+        self.shm.clear()
         self.router.close()
         if self._own_ctx:
             self._ctx.term()
 
     # -- incoming ------------------------------------------------------------------------
+    def _drain(self, timeout_ms: int) -> None:
+        item = self.router.recv(timeout_ms)
+        while item is not None:
+            self._dispatch(*item)
+            item = self.router.recv(0)
+
     def _dispatch(self, key: bytes, frames: list) -> None:
         self.stats["msgs_recv"] += 1
         self._touch(key)
         try:
             msg = decode(frames[0].bytes if frames else b"")
             if len(frames) > 1:
-                raise unexpected_frames(msg, frames)
+                raise unexpected_frames(msg, len(frames) - 1)
             if isinstance(msg, Hello):
                 self._on_hello(key, msg)
             elif key not in self.peers or self.peers[key].lost:
@@ -170,17 +182,44 @@ class KvSender(Endpoint):
             self._protocol_error(key, exc)
 
     def _on_hello(self, key: bytes, hello: Hello) -> None:
-        self._send(key, self.hello)
         try:
             handshake.check(self.hello, hello)
         except handshake.HandshakeError as exc:
+            self._send(key, self.hello)
             self.stats["errors.handshake"] += 1
             logger.error("%s: %s", self.config.node, exc)
             self._emit(EventKind.HANDSHAKE_FAILED, detail=str(exc), peer=hello.node)
             return
+        self._drop_shm(key)  # a reconnect under the same routing id maps afresh
+        channel = self._map_shm(hello)
+        if channel is not None:
+            self.shm[key] = channel
+        self._send(key, dataclasses.replace(self.hello, shm_pool=channel and hello.shm_pool
+                                            or ""))
         now = time.monotonic()
         self.peers[key] = Peer(key, hello, last_seen=now, next_heartbeat=now)
-        logger.info("%s: peer %s connected", self.config.node, self.peers[key].name)
+        logger.info("%s: peer %s connected (data path %s)", self.config.node,
+                    self.peers[key].name, "shm" if channel else "zmq")
+
+    def _map_shm(self, hello: Hello) -> shm.ShmChannel | None:
+        """The shared-memory channel to a decode that offers its pool on this host."""
+        h = self.hello
+        if not (self.config.shared_memory and hello.shm_pool and h.host_id
+                and hello.host_id == h.host_id):
+            return None
+        mapped = shm.attach(hello)
+        if mapped is None:
+            return None
+        heads = tp.overlap(h.total_kv_heads, h.tp_size, h.tp_rank, hello.tp_size,
+                           hello.tp_rank)
+        dst = tp.local_slice(heads, h.total_kv_heads, hello.tp_size, hello.tp_rank) \
+            if heads else slice(0, 0)
+        return shm.ShmChannel(self.router, self.pool, mapped, dst, self.stats)
+
+    def _drop_shm(self, key: bytes) -> None:
+        channel = self.shm.pop(key, None)
+        if channel is not None:
+            channel.close()
 
     def _on_message(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Announce):
@@ -349,36 +388,38 @@ class KvSender(Endpoint):
             out.t_progress = time.monotonic()
 
     def _send_blocks(self, out: Outgoing, leg: Leg, first: int, end: int) -> bool:
-        """Queue blocks ``[first, end)`` to ``leg``; frames never straddle two pins so each
+        """Move blocks ``[first, end)`` to ``leg``, one channel call per pin, so that each
         completion is attached to the one pin whose pages it reads."""
         h = self.hello
         heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
-        max_run = max(1, self.config.max_frame_bytes
-                      // self.pool.block_bytes(heads.stop - heads.start))
+        channel = self._channel_for(leg.peer)
         for pin in out.pins:
             lo, hi = max(first, pin.first), min(end, pin.end)
-            for offset, length in coalesce(out.src_pages[lo:hi], max_run):
-                if not self._send_run(out, leg, pin, lo + offset, length, heads):
-                    return False
+            if lo >= hi:
+                continue
+            run = BlockRun(leg.peer, out.rid, lo, out.src_pages[lo:hi], leg.dest_pages[lo:hi],
+                           leg.heads, heads)
+            try:
+                done = channel.send_blocks(run)
+            except zmq.ZMQError as exc:
+                if not is_unreachable(exc):
+                    raise
+                self._lose(self.peers[leg.peer], "unreachable while sending")
+                return False
+            self._last_sent[leg.peer] = time.monotonic()
+            pin.completions.extend((leg.peer, d) for d in done)
         return True
 
-    def _send_run(self, out: Outgoing, leg: Leg, pin: SendPin, block: int, length: int,
-                  heads: slice) -> bool:
-        payload = self.pool.read(int(out.src_pages[block]), length, heads)
-        header = encode(KvChunk(rid=out.rid, first_block=block, num_blocks=length,
-                                head_start=leg.heads[0], head_end=leg.heads[1],
-                                nbytes=payload.nbytes))
-        try:
-            done = self.channel.send_frame(leg.peer, header, payload)
-        except zmq.ZMQError as exc:
-            if not is_unreachable(exc):
-                raise
-            self._lose(self.peers[leg.peer], "unreachable while sending")
-            return False
-        pin.completions.append((leg.peer, done))
-        self.stats["frames_sent"] += 1
-        self.stats["bytes_sent"] += payload.nbytes
-        return True
+    def _channel_for(self, key: bytes) -> DataChannel:
+        """Shared memory only while the decode cannot have declared us lost: our last
+        message to it is younger than half our lease (its clock starts no earlier)."""
+        channel = self.shm.get(key)
+        if channel is None:
+            return self.channel
+        if time.monotonic() - self._last_sent.get(key, 0.0) > self.config.lease_s / 2:
+            self.stats["shm_fallbacks"] += 1
+            return self.channel
+        return channel
 
     def _send(self, key: bytes, msg: Message) -> bool:
         try:
@@ -387,6 +428,7 @@ class KvSender(Endpoint):
             if not is_unreachable(exc):
                 raise
             return False
+        self._last_sent[key] = time.monotonic()
         self.stats["msgs_sent"] += 1
         return True
 
@@ -456,3 +498,4 @@ class KvSender(Endpoint):
             if not out.state.is_final:
                 self._fail(out, "peer_lost", f"decode {peer.name} lost: {why}")
         peer.rids.clear()
+        self._drop_shm(peer.key)

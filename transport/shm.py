@@ -1,0 +1,128 @@
+"""Same-host data path: the prefill copies pages straight into the decode's shared pool.
+
+The decode creates its pool with ``KvCache(..., shared_memory=True)`` and offers the
+segment in its ``Hello`` (``shm_pool``, ``shm_pages``, ``host_id``). A prefill on the same
+host (equal ``host_id``) maps it and answers with the same ``shm_pool``; from then on each
+run of blocks is one copy from the prefill's pool into the decode's destination pages,
+followed by a ``KvWritten`` control message instead of a data frame.
+
+Why writes never land in pages the decode has reused (docs/protocol.md, "Shared memory"):
+- the decode pins destination pages from ``announce`` until every leg sent ``Done`` or
+  ``AbortAck`` or was lost; the prefill copies synchronously inside ``send``/``finish``/
+  ``poll`` and only while the request is STREAMING, so all its writes precede its
+  ``Done``/``AbortAck``/``Abort`` on the same ordered connection;
+- the prefill reads its incoming control (a decode ``Abort``) before each write batch;
+- the decode declares the prefill lost only after ``lease`` of silence counted from the
+  prefill's last message, so the prefill copies only while its own last message to that
+  peer is younger than half its lease, and otherwise falls back to ZMQ frames (which a
+  decode that lost it drops).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import Counter
+from functools import cache
+
+import numpy as np
+
+from common.layout import KvLayout
+from common.shared_tensor import SharedTensor
+
+from .channel import BlockRun, Completion, DataChannel, PoolView
+from .messages import Hello, KvWritten, encode
+from .sockets import RouterSocket
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def host_id() -> str:
+    """``<hostname>/<boot_id>``: equal on two processes only if they share a kernel boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux: no proof, so never claim to share a host
+        return ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def attach(decode: Hello) -> SharedTensor | None:
+    """Map the pool a decode ``Hello`` offers; None (logged) when it cannot be mapped."""
+    heads = decode.total_kv_heads // decode.tp_size
+    layout = KvLayout(num_layers=decode.num_layers, num_draft_layers=decode.num_draft_layers,
+                      num_kv_heads=heads, head_dim=decode.head_dim, dtype=decode.dtype)
+    shape = (decode.shm_pages, *layout.page_shape(decode.page_size))
+    try:
+        return SharedTensor(shape, layout.torch_dtype, name=decode.shm_pool)
+    except (OSError, ValueError) as exc:  # another /dev/shm namespace, or a wrong size
+        logger.warning("cannot map %s's pool %r: %s; using ZMQ frames", decode.node,
+                       decode.shm_pool, exc)
+        return None
+
+
+def joint_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Runs ``(offset, length)`` over which both ``src`` and ``dst`` page ids ascend by one."""
+    if len(src) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    bounds = [0, *breaks.tolist(), len(src)]
+    return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def copy_blocks(src: PoolView, src_pages: np.ndarray, src_heads: slice, dst: PoolView,
+                dst_pages: np.ndarray, dst_heads: slice) -> int:
+    """Copy heads ``src_heads`` of ``src_pages`` into heads ``dst_heads`` of ``dst_pages``.
+
+    One slice copy per run that is consecutive on both sides (heads are strided within a
+    page, so a head slice copies ``[layers, 2, page_size]`` strided rows per run).
+    Returns:
+        bytes copied.
+    """
+    full = (src_heads.stop - src_heads.start == src.num_heads
+            and dst_heads.stop - dst_heads.start == dst.num_heads)
+    for offset, length in joint_runs(src_pages, dst_pages):
+        s, d = int(src_pages[offset]), int(dst_pages[offset])
+        if full:
+            np.copyto(dst.flat[d:d + length], src.flat[s:s + length])
+        else:
+            np.copyto(dst.shaped[d:d + length, :, :, :, dst_heads],
+                      src.shaped[s:s + length, :, :, :, src_heads])
+    return len(src_pages) * src.block_bytes(src_heads.stop - src_heads.start)
+
+
+class ShmChannel(DataChannel):
+    """Prefill side of one shared-memory leg: owns the mapping of one decode rank's pool.
+
+    Args:
+        router: the prefill's socket, for the ``KvWritten`` that follows each copy.
+        pool: this rank's pool; ``mapped``: the decode's pool (never unlinked here).
+        dst_heads: where a leg's global heads lie in the decode rank's head axis.
+    """
+
+    name = "shm"
+
+    def __init__(self, router: RouterSocket, pool: PoolView, mapped: SharedTensor,
+                 dst_heads: slice, stats: Counter):
+        self.router, self.pool, self.stats = router, pool, stats
+        self.mapped = mapped
+        self.dest = PoolView(mapped.tensor)
+        self.dst_heads = dst_heads
+
+    def send_blocks(self, run: BlockRun) -> list[Completion]:
+        """Copy now, then announce; the source pages are free to reuse on return."""
+        nbytes = copy_blocks(self.pool, run.src_pages, run.src_heads, self.dest,
+                             run.dest_pages, self.dst_heads)
+        msg = KvWritten(rid=run.rid, first_block=run.first_block,
+                        num_blocks=len(run.src_pages), head_start=run.heads[0],
+                        head_end=run.heads[1])
+        self.router.send(run.peer, [encode(msg)])  # EHOSTUNREACH propagates to the caller
+        self.stats["shm_writes"] += 1
+        self.stats["bytes_sent"] += nbytes
+        return []
+
+    def close(self) -> None:
+        """Drop the mapping (the decode owns and unlinks the segment)."""
+        self.dest = None
+        self.mapped.close()
