@@ -1,0 +1,229 @@
+"""Decode-side host connector stories: offload while decoding, holding the final free until
+copies end, aborts in flight, prefix loads at admission, retraction and resume.
+
+float64 tiny model on CPU, exact page ids; both free logs (device ``full``, host ``host``)
+replay clean at the end of every story.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common import KvCache
+from common.freelog_reader import FreeLogReader
+from common.host_tier import HostTier
+from common.model import Model
+from common.model_config import get_config
+from common.model_runner import BatchItem, ModelRunner
+from common.offload import Offloader
+from common.reference import generate_greedy
+from common.replay import replay_file
+from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges, greedy_step
+from decode_node.host_connector import HostConnector
+from decode_node.speculative import SpeculativeStep
+from deploy.request import SamplingParams
+from tests.test_offload import ManualEngine
+
+F64 = get_config("tiny", dtype="float64")
+LAYOUT = F64.kv_layout(with_draft=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(F64)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
+
+
+class Node:
+    """A decode node in miniature with a host tier; ``engine`` decides when copies end."""
+
+    def __init__(self, model, tmp_path, page_size: int, *, num_pages: int = 40,
+                 host_pages: int = 40, engine=None, k: int = 0):
+        self.device_log, self.host_log = tmp_path / "device.pdkvlog", tmp_path / "host.pdkvlog"
+        self.cache = KvCache(num_pages, page_size, layout=LAYOUT, log_path=self.device_log,
+                             node="decode")
+        self.host = HostTier(host_pages, page_size, LAYOUT, log_path=self.host_log,
+                             node="decode")
+        self.conn = HostConnector(Offloader(self.cache, self.host, engine=engine), b"tiny")
+        self.runner = ModelRunner(model, self.cache)
+        self.batch = DecodeBatch(self.runner, SpeculativeStep(k) if k else greedy_step,
+                                 on_commit=self.conn.on_commit)
+        self.outputs: dict[str, list[int]] = {}
+        self.prompts: dict[str, list[int]] = {}
+
+    def admit(self, rid: str, tokens: list[int], max_new: int, *, load: bool = True
+              ) -> DecodeSeq:
+        """Admission with a prefix load, then the 'transfer' (here: computed) of the rest."""
+        kv = self.cache.open_row(rid)
+        self.cache.extend(kv, len(tokens))
+        start = 0
+        if load and (h := self.conn.prepare_load(kv, tokens)) is not None:
+            assert self.conn.complete_load(h, timeout=5)
+            start = h.num_tokens
+        item = BatchItem(kv, tokens[start:], start)
+        first = int(self.runner.forward([item])[0].argmax())
+        self.runner.forward([item], draft=True)
+        self.cache.commit(kv, len(tokens))
+        seq = DecodeSeq(rid, kv, SamplingParams(max_new_tokens=max_new), len(tokens), [first])
+        self.prompts[rid] = tokens
+        assert self.batch.add(seq)
+        self.conn.track(seq, tokens)
+        return seq
+
+    def step(self) -> list[str]:
+        """One batch step; returns rids the connector took over (their copies in flight)."""
+        _, finished = self.batch.step()
+        held = []
+        for s in finished:
+            self.outputs[s.rid] = s.output
+            ranges = finish_ranges(s.kv, self.cache.page_size)
+            if self.conn.request_finished(s, ranges):
+                held.append(s.rid)
+            else:
+                self.cache.free_kv_row(s.kv, ranges, reason="finished")
+                self.cache.close_row(s.kv)
+        self.cache.check_integrity()
+        return held
+
+    def drain(self) -> None:
+        while len(self.batch):
+            self.step()
+        while self.conn.num_held:
+            self.conn.reap(timeout=5)
+
+    def close_and_replay(self) -> tuple:
+        assert self.conn.off.close(timeout=5)
+        assert self.conn.num_held == 0 and not self.conn.reap()
+        self.conn.check_integrity()
+        self.cache.check_integrity()
+        assert self.cache.num_free_pages() == self.cache.num_pages - 1
+        self.cache.close()
+        self.host.close()
+        reports = replay_file(self.device_log), replay_file(self.host_log)
+        for report in reports:
+            assert report.ok, report.format()
+        return reports
+
+
+class SwitchEngine(ManualEngine):
+    """Holds copies like ``ManualEngine`` until ``auto`` is set; then runs them at once."""
+
+    auto = False
+
+    def submit(self, src, src_pages, dst, dst_pages):
+        job = super().submit(src, src_pages, dst, dst_pages)
+        if self.auto:
+            self.run_all()
+        return job
+
+
+def frees(log_path, reason: str) -> list[list[int]]:
+    return [np.frombuffer(ev["pages"], "<i4").tolist()
+            for ev in FreeLogReader(log_path).records
+            if ev.get("op") == "free" and ev.get("reason") == reason]
+
+
+def test_pages_go_to_the_host_as_they_fill_and_the_final_free_waits(model, tmp_path):
+    engine = ManualEngine()
+    n = Node(model, tmp_path, 4, engine=engine)
+    p = prompt(10, seed=1)
+    s = n.admit("a", p, 6)
+    assert n.cache.pages(s.kv, 0, 10).tolist() == [1, 2, 3]
+    assert n.conn.off.pending("a") == 1  # pages 1, 2 (prompt); page 3 is partial
+    n.step()  # committed 11
+    n.step()  # committed 12: page 3 is full
+    assert n.conn.off.pending("a") == 2
+    assert n.step() == [] and n.step() == [] and n.step() == ["a"]  # finished, held
+    assert n.conn.reap() == [] and n.cache.owners_holding_pages() == {"a": 4}
+    engine.run_all()
+    assert n.conn.reap() == ["a"]
+    assert n.outputs["a"] == generate_greedy(model, [p], 6)[0]
+    assert torch.equal(n.host.data[1:4], n.cache.data()[1:4])  # pages 1..3, exactly
+    n.close_and_replay()
+    assert frees(n.device_log, "finished") == [[1, 2, 3, 4]]
+
+
+def test_abort_with_copies_in_flight_frees_at_once_and_pins_hold_the_pages(model, tmp_path):
+    engine = ManualEngine()
+    n = Node(model, tmp_path, 4, num_pages=8, engine=engine)  # 7 usable device pages
+    s = n.admit("a", prompt(13, seed=2), 8)
+    assert n.conn.off.pending("a") == 1  # pages 1..3 in flight
+    n.batch.remove("a")
+    n.conn.request_aborted("a")
+    n.cache.free_kv_row(s.kv, finish_ranges(s.kv, 4), reason="aborted")
+    n.cache.close_row(s.kv)
+    assert n.cache.num_free_pages() == 4  # 3 never used + page 4; 1..3 pinned by the copy
+    b = n.cache.open_row("b")
+    n.cache.extend(b, 12)
+    assert n.cache.pages(b, 0, 12).tolist() == [4, 5, 6]  # never 1..3 while copying
+    assert n.cache.num_free_pages() == 1
+    engine.run_all()
+    n.conn.poll()
+    assert n.cache.num_free_pages() == 4  # released at the unpin
+    n.cache.free_kv_row(b, [(0, 12)], reason="finished")
+    n.cache.close_row(b)
+    device, _ = n.close_and_replay()
+    assert device.pools["full"]["frees_by_reason"]["aborted"]["pages"] == 4
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_follow_up_turn_loads_the_shared_prefix_and_matches_the_reference(model, tmp_path,
+                                                                          page_size):
+    n = Node(model, tmp_path, page_size, num_pages=120 // page_size + 8,
+             host_pages=120 // page_size + 8, k=2)
+    p1 = prompt(37, seed=3)
+    n.admit("turn1", p1, 12)
+    n.drain()
+    p2 = p1 + n.outputs["turn1"] + prompt(9, seed=4)  # the whole first turn, then more
+    expect_hit = min((37 + 11) // page_size, (len(p2) - 1) // page_size) * page_size
+    assert n.conn.lookup(p2) == expect_hit
+    n.admit("turn2", p2, 10)
+    assert n.conn.num_prefix_hit_pages == expect_hit // page_size
+    n.drain()
+    assert n.outputs["turn2"] == generate_greedy(model, [p2], 10)[0]
+    n.close_and_replay()
+
+
+def test_retract_frees_the_row_and_resume_continues_exactly(model, tmp_path):
+    engine = SwitchEngine()
+    n = Node(model, tmp_path, 4, engine=engine, k=2)
+    p = prompt(18, seed=5)
+    s = n.admit("a", p, 20)
+    for _ in range(3):
+        n.step()
+    n.batch.remove("a")
+    committed = s.kv.committed_len
+    r = n.conn.retract(s, finish_ranges(s.kv, 4))
+    assert r.committed_len == committed and n.cache.owners_holding_pages() == {}
+    pinned = n.cache.num_pages - 1 - n.cache.num_free_pages()
+    assert pinned == committed // 4  # full committed pages wait for their copy
+    engine.run_all()
+    n.conn.poll()
+    assert n.cache.num_free_pages() == n.cache.num_pages - 1
+    assert n.conn.off.prefix.evict(100) == 0  # the retracted chain is referenced
+    engine.auto = True  # resume blocks on its load
+    s2 = n.conn.resume(n.runner, r, timeout=5)
+    assert n.conn.off.num_loaded_pages == committed // 4
+    assert s2.kv.committed_len == committed and n.batch.add(s2)
+    n.drain()
+    engine.run_all()
+    n.conn.reap()
+    assert n.outputs["a"] == generate_greedy(model, [p], 20)[0]
+    n.close_and_replay()
+    assert frees(n.device_log, "offloaded")
+
+
+def test_retract_of_an_untracked_sequence_is_refused(model, tmp_path):
+    n = Node(model, tmp_path, 4)
+    s = n.admit("a", prompt(6, seed=6), 4)
+    n.conn.request_aborted("a")
+    with pytest.raises(ValueError, match="not tracked"):
+        n.conn.retract(s, finish_ranges(s.kv, 4))
+    n.drain()
+    n.close_and_replay()
