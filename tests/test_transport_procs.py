@@ -1,5 +1,9 @@
 """Two real processes over real sockets: a spawned prefill group, the decode group here
-(or the other way round for the SIGKILL-the-decode story)."""
+(or the other way round for the SIGKILL-the-decode story).
+
+``kind`` names the data path: ``tcp``/``ipc`` carry KV in ZMQ frames (the decode pool is
+private), ``shm`` puts the decode pool in shared memory so the same-host prefill writes
+into it (control over ipc)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ def _plan(page_size=4, prefill_tp=1, decode_tp=1, total_heads=4, **extra):
     }
     return {"total_heads": total_heads, "page_size": page_size, "num_pages": 160,
             "prefill_tp": prefill_tp, "decode_tp": decode_tp, "requests": requests, **extra}
+
+
+def _shm_plan(kind, page_size=4, **kw):
+    return _plan(page_size, shm=kind == "shm", **kw)
 
 
 def _addresses(kind, tmp_path, n):
@@ -64,31 +72,44 @@ def _run_pair(plan, tmp_path, kind="ipc"):
     return prefill, decode
 
 
-@pytest.mark.parametrize("kind, page_size", [("ipc", 1), ("ipc", 16), ("tcp", 4)])
+def _assert_data_path(kind, prefill, decode):
+    """No errors counted anywhere, and the KV took the path ``kind`` names."""
+    for stats in prefill["stats"] + decode["stats"]:
+        assert stats.get("errors", 0) == 0 and stats.get("errors_recv", 0) == 0, stats
+    frames = sum(s.get("frames_sent", 0) for s in prefill["stats"])
+    writes = sum(s.get("shm_writes", 0) for s in prefill["stats"])
+    assert (writes > 0 and frames == 0) if kind == "shm" else (frames > 0 and writes == 0)
+
+
+@pytest.mark.parametrize("kind, page_size", [("ipc", 1), ("ipc", 16), ("tcp", 1), ("tcp", 4),
+                                             ("tcp", 16), ("shm", 1), ("shm", 16)])
 def test_interleaved_requests_arrive_byte_exact(tmp_path, kind, page_size):
-    plan = _plan(page_size)
+    plan = _shm_plan(kind, page_size)
     prefill, decode = _run_pair(plan, tmp_path, kind)
     assert decode["correct"] == {"a@0": True, "b@0": True, "c@0": True}
     assert {rid: f[0][1:] for rid, f in decode["final"].items()} == {
         "a": ("COMPLETED", "", 101), "b": ("COMPLETED", "", 102), "c": ("COMPLETED", "", 103)}
     assert all(f[0][1] == "COMPLETED" for f in prefill["final"].values())
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
-    assert decode["stats"][0]["errors"] == 0 if "errors" in decode["stats"][0] else True
+    _assert_data_path(kind, prefill, decode)
     _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
 
 
+@pytest.mark.parametrize("kind", ["ipc", "shm"])
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 4)])
-def test_tensor_parallel_groups_of_different_sizes(tmp_path, prefill_tp, decode_tp):
-    plan = _plan(4, prefill_tp, decode_tp, total_heads=8)
+def test_tensor_parallel_groups_of_different_sizes(tmp_path, kind, prefill_tp, decode_tp):
+    plan = _shm_plan(kind, 4, prefill_tp=prefill_tp, decode_tp=decode_tp, total_heads=8)
     prefill, decode = _run_pair(plan, tmp_path)
     assert decode["correct"] == {f"{rid}@{r}": True for rid in "abc" for r in range(decode_tp)}
     assert prefill["leaked"] == [0] * prefill_tp and decode["leaked"] == [0] * decode_tp
+    _assert_data_path(kind, prefill, decode)
     _assert_logs_clean(tmp_path, [f"prefill{r}" for r in range(prefill_tp)]
                        + [f"decode{r}" for r in range(decode_tp)])
 
 
-def test_prefill_abort_mid_transfer_frees_both_sides(tmp_path):
-    plan = _plan(4, prefill_abort_after={"b": 1}, chunk_delay_s=0.01)
+@pytest.mark.parametrize("kind", ["ipc", "shm"])
+def test_prefill_abort_mid_transfer_frees_both_sides(tmp_path, kind):
+    plan = _shm_plan(kind, 4, prefill_abort_after={"b": 1}, chunk_delay_s=0.01)
     prefill, decode = _run_pair(plan, tmp_path)
     assert [f[1:3] for f in decode["final"]["b"]] == [("ABORTED", "aborted")]
     assert decode["correct"] == {"a@0": True, "c@0": True}
@@ -96,29 +117,38 @@ def test_prefill_abort_mid_transfer_frees_both_sides(tmp_path):
     _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
 
 
-def test_decode_abort_mid_transfer_frees_both_sides(tmp_path):
-    plan = _plan(4, decode_abort_after_frames={"b": 1}, chunk_delay_s=0.05)
+@pytest.mark.parametrize("kind", ["ipc", "shm"])
+def test_decode_abort_mid_transfer_frees_both_sides(tmp_path, kind):
+    plan = _shm_plan(kind, 4, decode_abort_after_frames={"b": 1}, chunk_delay_s=0.05)
     prefill, decode = _run_pair(plan, tmp_path)
     assert [f[1:] for f in prefill["final"]["b"]] == [("ABORTED", "aborted")]
     assert decode["correct"] == {"a@0": True, "c@0": True}
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
+    _assert_data_path(kind, prefill, decode)
     _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
 
 
 LEASE = {"lease_s": 1.0, "heartbeat_s": 0.1}
 
 
-def test_prefill_killed_mid_transfer_decode_reclaims_within_the_lease(tmp_path):
-    plan = _plan(4, prefill_stall_after={"b": 1})
+@pytest.mark.parametrize("kind", ["ipc", "shm"])
+def test_prefill_killed_mid_transfer_decode_reclaims_within_the_lease(tmp_path, kind):
+    plan = _shm_plan(kind, 4, prefill_stall_after={"b": 1})
     proc, _, addresses = _start_prefill(plan, tmp_path, "ipc", LEASE)
     drv = DecodeDriver(plan, str(tmp_path), addresses, **LEASE)
     drv.announce_all()
     deadline = time.monotonic() + 20
+    rx = drv.receivers[0]
     while len(drv.final) < 2 and time.monotonic() < deadline:   # a and c complete, b stalls
         drv.step()
+    assert next(iter(rx.transfers["b"].legs.values())).blocks_received > 0  # b mid-transfer
     os.kill(proc.pid, signal.SIGKILL)
     t_kill = time.monotonic()
-    while drv.receivers[0].transfers and time.monotonic() < deadline:
+    free_at_kill = drv.caches[0].num_free_pages()
+    while time.monotonic() - t_kill < LEASE["lease_s"] * 0.6:   # within the lease: still held
+        drv.step()
+    assert rx.num_pins == 1 and drv.caches[0].num_free_pages() == free_at_kill
+    while rx.transfers and time.monotonic() < deadline:
         drv.step()
     reclaimed_after = time.monotonic() - t_kill
     decode = drv.close()

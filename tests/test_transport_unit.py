@@ -17,6 +17,7 @@ from transport.messages import (
     Ack,
     Announce,
     ErrorCode,
+    Heartbeat,
     Hello,
     KvChunk,
     ProtocolError,
@@ -93,12 +94,14 @@ def test_coalesce_cuts_at_gaps_and_at_the_frame_cap():
 # -- in-process pairs ----------------------------------------------------------------------
 class Pair:
     """A sender and a receiver in this process over ipc; the sender is polled by hand,
-    except during the blocking handshake."""
+    except during the blocking handshake. ``shared``: the decode pool is in shared memory."""
 
-    def __init__(self, tmp_path, p_layout=None, d_layout=None, p_page=4, d_page=4, **kw):
+    def __init__(self, tmp_path, p_layout=None, d_layout=None, p_page=4, d_page=4,
+                 shared=False, p_kw=None, **kw):
         self.pc = make_cache(64, p_page, p_layout or layout(), node="p")
-        self.dc = make_cache(64, d_page, d_layout or layout(), node="d")
-        self.tx = KvSender(self.pc, f"ipc://{tmp_path}/p.sock", config("p", **kw))
+        self.dc = make_cache(64, d_page, d_layout or layout(), node="d", shared=shared)
+        self.tx = KvSender(self.pc, f"ipc://{tmp_path}/p.sock",
+                           config("p", **kw, **(p_kw or {})))
         self.rx = KvReceiver(self.dc, config("d", **kw))
         self.tx_events = []
 
@@ -250,7 +253,9 @@ def _answers(tx, sock, n):
     while len(got) < n and time.monotonic() < deadline:
         tx.poll(0.01)
         while sock.poll(0):
-            got.append(decode(sock.recv_multipart()[0]))
+            msg = decode(sock.recv_multipart()[0])
+            if not isinstance(msg, Heartbeat):  # they start right after the Hello
+                got.append(msg)
     return got
 
 
@@ -410,3 +415,79 @@ def test_admission_deadline_then_lease_frees_the_destination(tmp_path):
     finally:
         rx.close()
         fake.close()
+
+
+# -- shared memory: head-sliced copies, negotiation and its fallbacks ---------------------
+@pytest.mark.parametrize("src_heads, dst_heads", [((0, 4), (0, 4)), ((2, 4), (0, 2)),
+                                                  ((0, 2), (2, 4))])
+def test_shm_copy_matches_a_per_page_reference_across_gaps_and_head_slices(src_heads,
+                                                                            dst_heads):
+    import torch
+
+    from transport.channel import PoolView
+    from transport.shm import copy_blocks, joint_runs
+    src = torch.randn(16, 3, 2, 4, 4, 8)
+    dst, want = torch.zeros_like(src), torch.zeros_like(src)
+    sp, dp = np.array([3, 4, 5, 9, 10, 11]), np.array([7, 8, 2, 3, 4, 12])
+    assert joint_runs(sp, dp) == [(0, 2), (2, 1), (3, 2), (5, 1)]
+    s, d = slice(*src_heads), slice(*dst_heads)
+    copy_blocks(PoolView(src), sp, s, PoolView(dst), dp, d)
+    for a, b in zip(sp, dp):
+        want[b, :, :, :, d] = src[a, :, :, :, s]
+    assert torch.equal(dst, want)
+
+
+def _connect_and_transfer(pair, n=30):
+    pair.connect()
+    kv_p, kv_d = _rows(pair, "r1", n)
+    pair.rx.announce("r1", kv_d, n)
+    assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
+    pair.tx.finish("r1", kv_p, 7)
+    events, deadline = [], time.monotonic() + 3
+    while not events and time.monotonic() < deadline:
+        events += pair.rx.poll(0.01)
+        pair.tx.poll(0.0)
+    assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 7)]
+    assert torch_equal(read_row(pair.dc, kv_d, 0, n), pattern(1, n, pair.pc.layout, 0, 4))
+
+
+@pytest.mark.parametrize("shared, p_kw, other_host, path", [
+    (True, {}, False, "shm"),
+    (False, {}, False, "zmq"),                          # decode pool is private
+    (True, {"shared_memory": False}, False, "zmq"),     # prefill declines
+    (True, {}, True, "zmq"),                            # not the same host
+])
+def test_shm_is_negotiated_and_falls_back_to_frames(tmp_path, shared, p_kw, other_host, path):
+    import dataclasses
+    pair = Pair(tmp_path, shared=shared, p_kw=p_kw)
+    if other_host:
+        pair.tx.hello = dataclasses.replace(pair.tx.hello, host_id="elsewhere/boot")
+    try:
+        _connect_and_transfer(pair)
+        assert bool(pair.tx.shm) == (path == "shm")
+        assert (pair.tx.stats["shm_writes"] > 0) == (path == "shm")
+        assert (pair.tx.stats["frames_sent"] > 0) == (path == "zmq")
+        assert pair.rx.stats["frames_recv_into"] == pair.rx.stats["frames_recv"]
+    finally:
+        pair.close()
+
+
+def test_a_version_1_hello_fails_on_version_not_on_a_missing_field():
+    from transport.messages import PROTOCOL_VERSION
+    v2 = Hello(version=PROTOCOL_VERSION, node="p", role="prefill", model="", num_layers=2,
+               num_draft_layers=1, total_kv_heads=4, head_dim=8, dtype="float32",
+               page_size=4, tp_rank=0, tp_size=1, lease_ms=1000)
+    body = msgpack.unpackb(encode(v2))
+    for name in ("host_id", "shm_pool", "shm_pages"):
+        del body[name]
+    body["version"] = 1
+    v1 = decode(msgpack.packb(body))
+    assert v1.version == 1 and v1.shm_pool == ""
+    from transport.handshake import check
+    with pytest.raises(HandshakeError, match="mismatch on version"):
+        check(dataclasses_replace(v2, role="decode"), v1)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)

@@ -17,9 +17,10 @@ def layout(total_heads: int = 4, tp_size: int = 1, dtype: str = "float32") -> Kv
 
 
 def make_cache(num_pages: int, page_size: int, lay: KvLayout, log_path=None,
-               node: str = "node") -> KvCache:
+               node: str = "node", shared: bool = False) -> KvCache:
+    """``shared``: the pool lives in shared memory (a decode offering the shm data path)."""
     return KvCache(num_pages, page_size, layout=lay, log_path=log_path, node=node,
-                   max_rows=64)
+                   max_rows=64, shared_memory=shared)
 
 
 def pattern(seed: int, num_tokens: int, lay: KvLayout, head_start: int,
@@ -63,7 +64,8 @@ def config(node: str, rank: int = 0, size: int = 1, **kw) -> TransportConfig:
 #    "requests": {rid: {"prompt_len": int, "seed": int, "chunks": [int, ...],
 #                       "cached": int, "first_token": int}},
 #    "prefill_abort_after": {rid: chunks}, "prefill_stall_after": {rid: chunks},
-#    "decode_abort_after_frames": {rid: 1}, "chunk_delay_s": float}
+#    "decode_abort_after_frames": {rid: 1}, "chunk_delay_s": float,
+#    "shm": bool (decode pools in shared memory, so a same-host prefill writes into them)}
 
 def _pattern_for_rank(plan: dict, rid: str, lay: KvLayout, size: int, rank: int):
     req = plan["requests"][rid]
@@ -188,7 +190,7 @@ class DecodeDriver:
         for rank in range(size):
             log = None if log_dir is None else f"{log_dir}/decode{rank}.log"
             self.caches.append(make_cache(plan["num_pages"], plan["page_size"], self.lay,
-                                          log, f"decode{rank}"))
+                                          log, f"decode{rank}", plan.get("shm", False)))
             rx = KvReceiver(self.caches[rank], config(f"decode{rank}", rank, size, **cfg_kw))
             rx.connect(addresses)
             self.receivers.append(rx)
