@@ -104,6 +104,8 @@ class DecodeWorker(WorkerBase):
                 self._end(item, "error", str(exc))
                 continue
             item.state = ReqState.WAITING_KV
+            logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
+                        item.rid, len(item.prompt), item.prefill)
         return any_admitted
 
     def _group(self, prefill: str, addr: str) -> int:
@@ -141,9 +143,13 @@ class DecodeWorker(WorkerBase):
         item.state = ReqState.FINISHED
         self.admission.release(item, finish_ranges(item.kv, self.cache.page_size), "finished")
         self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
+        logger.info("%s: %s finished (%s, %d tokens)", self.name, item.rid, reason,
+                    len(output))
 
     def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
         """Abort or failure at any stage: free what is held, tell the router."""
+        logger.info("%s: %s %s in %s%s", self.name, item.rid, reason, item.state.name,
+                    f" ({detail})" if detail else "")
         self.batch.remove(item.rid)
         if item.state == ReqState.WAITING_KV:
             self.rx.abort(item.rid, reason if reason != "aborted" else "aborted", detail)

@@ -91,6 +91,8 @@ class ColocatedWorker(WorkerBase):
         self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
 
     def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
+        logger.info("%s: %s %s in %s%s", self.name, item.rid, reason, item.state.name,
+                    f" ({detail})" if detail else "")
         self.engine.remove(item.rid)
         self.batch.remove(item.rid)
         self.counts["aborted"] += 1

@@ -55,7 +55,8 @@ class Result:
 
 
 def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = None,
-          aborts: dict[str, float] | None = None, check: Callable[[], None] | None = None,
+          aborts: dict[str, float] | None = None, abort_after_tokens: dict[str, int] | None = None,
+          check: Callable[[], None] | None = None,
           progress: Callable[[int, int], None] | None = None,
           timeout_s: float = 600.0) -> dict[str, Result]:
     """Send ``requests`` at their arrival times and wait for every result.
@@ -63,6 +64,7 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
     Args:
         params: extra sampling parameters for every request.
         aborts: rid -> seconds after its submission at which the client aborts it.
+        abort_after_tokens: rid -> the client aborts it once this many tokens arrived.
         check: called every loop (the launcher's liveness check raises when a worker died).
         progress: called with (done, total) when a request completes.
     Raises:
@@ -93,6 +95,7 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
                 done += 1
                 if progress is not None:
                     progress(done, len(requests))
+        _abort_on_tokens(client, results, abort_after_tokens or {})
         if check is not None:
             check()
     return results
@@ -107,6 +110,14 @@ def _send_aborts(client: Client, results: dict[str, Result], aborts: dict[str, f
         elif res.t_submit and now >= res.t_submit + delay:
             client.abort(rid)
             del aborts[rid]
+
+
+def _abort_on_tokens(client: Client, results: dict[str, Result],
+                     after: dict[str, int]) -> None:
+    for rid, n in list(after.items()):
+        if len(results[rid].output_ids) >= n and not results[rid].reason:
+            client.abort(rid)
+            del after[rid]
 
 
 def _on_message(results: dict[str, Result], msg: dict) -> bool:

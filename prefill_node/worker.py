@@ -132,6 +132,7 @@ class PrefillWorker(WorkerBase):
             req.task = PrefillTask(req.rid, req.prompt, req.params, kv)
             req.state = ReqState.PREFILLING
             self.engine.add(req.task)
+            logger.info("%s: %s prefilling (%d tokens)", self.name, req.rid, len(req.prompt))
             any_admitted = True
         return any_admitted
 
@@ -158,6 +159,8 @@ class PrefillWorker(WorkerBase):
 
     def _end(self, req: PrefillReq, reason: str, detail: str = "") -> None:
         """Free the row (``sent`` after a complete transfer), report to the router."""
+        logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
+                    f" ({detail})" if detail else "")
         now = time.monotonic()
         self.reqs.pop(req.rid, None)
         self.dropped.append(req.rid)

@@ -22,7 +22,7 @@ from common.replay import replay_file
 from deploy.driver import drive
 from deploy.launcher import Cluster, WorkerDied
 from deploy.run import serve_workload
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.workload import WorkloadSpec, WorkRequest, make_workload
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,12 +95,12 @@ def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, re
 def test_aborts_at_random_moments_leak_nothing(tmp_path, mode):
     # A small decode pool queues requests; long prompts in small chunks keep prefill and
     # transfer busy, so aborts land queued, prefilling, transferring and decoding.
-    cfg = CFG.with_overrides(decode_pages=48, chunk_size=8, max_prefill_tokens=16)
-    spec = WorkloadSpec(requests=24, seed=11, rate=0.0, prompt_len=(20, 120),
-                        output_len=(4, 30))
+    cfg = CFG.with_overrides(decode_pages=200, chunk_size=8, max_prefill_tokens=16)
+    spec = WorkloadSpec(requests=24, seed=11, rate=0.0, prompt_len=(100, 300),
+                        output_len=(20, 60))
     reqs = make_workload(spec, cfg.model_config().vocab_size)
     rng = random.Random(5)
-    aborts = {r.rid: rng.uniform(0.0, 0.6) for r in reqs if rng.random() < 0.6}
+    aborts = {r.rid: rng.uniform(0.0, 2.5) for r in reqs if rng.random() < 0.6}
     cluster = Cluster(cfg, mode, 1, 1, log_dir=str(tmp_path)).start()
     results = drive(cluster.client, reqs, aborts=aborts, check=cluster.check, timeout_s=120)
     stats = cluster.stop()
@@ -115,6 +115,30 @@ def test_aborts_at_random_moments_leak_nothing(tmp_path, mode):
                 model, [r.prompt], r.max_new_tokens, page_size=4)[0]
     assert sum(s.get("aborted", 0) for s in stats.values()) >= 3
     _assert_logs_clean(cluster, 2 if mode == "disagg" else 1)
+
+
+def test_aborts_in_every_stage_free_both_sides(tmp_path):
+    # Slow prefill (4-token chunks) and a decode pool that holds two requests:
+    # a decodes and is aborted after 3 tokens; b is aborted while its KV is being computed
+    # and streamed; c is aborted while queued for decode memory.
+    cfg = CFG.with_overrides(decode_pages=190, prefill_pages=200, chunk_size=4,
+                             max_prefill_tokens=8)
+    prompt = [(5 * i) % 512 for i in range(300)]
+    reqs = [WorkRequest(rid, prompt, 60, 0.0) for rid in ("a", "b", "c")]
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    results = drive(cluster.client, reqs, aborts={"b": 0.05, "c": 0.05},
+                    abort_after_tokens={"a": 3}, check=cluster.check, timeout_s=60)
+    cluster.stop()
+    cluster.check_exit_codes()
+    assert {rid: r.reason for rid, r in results.items()} == {
+        "a": "aborted", "b": "aborted", "c": "aborted"}
+    decode = (tmp_path / "decode0.log").read_text()
+    assert "a aborted in DECODING" in decode
+    assert "b aborted in WAITING_KV" in decode
+    assert "c aborted in QUEUED" in decode
+    assert "b aborted in PREFILLING" in (tmp_path / "prefill0.log").read_text()
+    _assert_logs_clean(cluster, 2)
+
 
 
 def test_a_killed_worker_is_named_and_nothing_is_left_running(tmp_path):
