@@ -4,8 +4,11 @@ memcpy and pickle baselines measured in the same run.
 Layout: 32 layers, 8 KV heads, head dim 128, fp16, page 16 (2 MiB per page, 128 KiB per
 token). Requests larger than the pool (``--pool-tokens``) move as back-to-back requests of
 pool size whose bytes add up to the request's (a 32k-token request is 4 GiB). Each figure
-is the median of ``--repeats`` runs. The decode side runs in a spawned process; the
-prefill side, the memcpy and the senders of the baselines run here.
+is the median of ``--repeats`` runs; pdkv and raw-pyzmq runs alternate so that the
+machine's drift hits both alike. The decode side runs in a spawned process; the prefill
+side, the memcpy and the senders of the baselines run here. Transports: ``tcp`` and
+``ipc`` carry KV in ZMQ frames; ``shm`` puts the decode pool in shared memory and the
+prefill copies into it (control over ipc; its raw baseline is ipc).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ RAW_MSG = 8 << 20
 CFG = dict(heartbeat_s=1.0, lease_s=30.0, chunk_timeout_s=60.0, done_timeout_s=600.0)
 
 
-def _cache(tokens: int, node: str) -> KvCache:
-    return KvCache(tokens // PAGE + 2, PAGE, layout=LAYOUT, node=node, max_rows=4)
+def _cache(tokens: int, node: str, shared: bool = False) -> KvCache:
+    return KvCache(tokens // PAGE + 2, PAGE, layout=LAYOUT, node=node, max_rows=4,
+                   shared_memory=shared)
 
 
 def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
@@ -39,46 +43,54 @@ def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
 
 
 # -- decode child --------------------------------------------------------------------------
-def _child(address: str, plan: list, pool_tokens: int, queue, cmd) -> None:
-    cache = _cache(pool_tokens, "decode")
+def _child(address: str, pool_tokens: int, shared: bool, queue, cmd) -> None:
+    """Serve jobs from ``cmd``: ``("pdkv", tokens, repeat)`` or a baseline, until None."""
+    cache = _cache(pool_tokens, "decode", shared)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
     rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
     rx.connect(address)
-    for tokens, repeat in plan:
-        per, rounds = _rounds(tokens, pool_tokens)
-        t0 = time.monotonic()
-        for i in range(rounds):
-            rid = f"{tokens}-{repeat}-{i}"
-            kv = cache.open_row(rid)
-            cache.extend(kv, per)
-            rx.announce(rid, kv, per)
-            while not any(e.kind.is_final for e in rx.poll(0.01) if e.rid == rid):
-                pass
-            cache.free_kv_row(kv, [(0, per)], reason="finished")
-            cache.close_row(kv)
-        queue.put(("pdkv", tokens, time.monotonic() - t0))
-    rx.close()
-    _child_baselines(queue, cmd)
-
-
-def _child_baselines(queue, cmd) -> None:
     ctx = zmq.Context()
     while (job := cmd.get()) is not None:
-        kind, address, nbytes, messages = job
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        queue.put(("ready", kind, 0.0))
-        got = 0
-        for _ in range(messages):
-            if kind == "raw":
-                got += len(sock.recv(copy=False).buffer)
-            else:
-                got += sum(t.numel() * t.element_size() for t in sock.recv_pyobj())
-        queue.put((kind, nbytes, time.monotonic()))
-        assert got == nbytes, (got, nbytes)
-        sock.close(linger=0)
+        if job[0] == "pdkv":
+            queue.put(("pdkv", job[1], _receive(rx, cache, job[1], job[2], pool_tokens)))
+        else:
+            _child_baseline(ctx, queue, job)
+    rx.close()
     ctx.term()
+    cache.close()
+
+
+def _receive(rx: KvReceiver, cache: KvCache, tokens: int, repeat: int,
+             pool_tokens: int) -> float:
+    per, rounds = _rounds(tokens, pool_tokens)
+    t0 = time.monotonic()
+    for i in range(rounds):
+        rid = f"{tokens}-{repeat}-{i}"
+        kv = cache.open_row(rid)
+        cache.extend(kv, per)
+        rx.announce(rid, kv, per)
+        while not any(e.kind.is_final for e in rx.poll(0.01) if e.rid == rid):
+            pass
+        cache.free_kv_row(kv, [(0, per)], reason="finished")
+        cache.close_row(kv)
+    return time.monotonic() - t0
+
+
+def _child_baseline(ctx: zmq.Context, queue, job) -> None:
+    kind, address, nbytes, messages = job
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    queue.put(("ready", kind, 0.0))
+    got = 0
+    for _ in range(messages):
+        if kind == "raw":
+            got += len(sock.recv(copy=False).buffer)
+        else:
+            got += sum(t.numel() * t.element_size() for t in sock.recv_pyobj())
+    queue.put((kind, nbytes, time.monotonic()))
+    assert got == nbytes, (got, nbytes)
+    sock.close(linger=0)
 
 
 # -- prefill side and baselines ------------------------------------------------------------
@@ -128,34 +140,45 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     tx = KvSender(cache, address, TransportConfig(node="prefill", **CFG))
     spawn = mp.get_context("spawn")
     queue, cmd = spawn.Queue(), spawn.Queue()
-    plan = [(t, r) for t in sizes for r in range(repeats)]
-    proc = spawn.Process(target=_child, args=(tx.address, plan, pool_tokens, queue, cmd))
+    proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, transport == "shm",
+                                              queue, cmd))
     proc.start()
-    pdkv: dict[int, list[float]] = {t: [] for t in sizes}
     rows: dict = {}
-    while len(plan) > sum(map(len, pdkv.values())):
+    while not tx.peers:  # handshake
         _pump(tx, cache, tx.poll(0.02), rows)
-        while not queue.empty():
-            _, tokens, seconds = queue.get()
-            pdkv[tokens].append(seconds)
-    for _ in range(50):
-        _pump(tx, cache, tx.poll(0.01), rows)
-    tx.close()
     pool_bytes = pool_tokens * LAYOUT.page_bytes(PAGE) // PAGE
     src = cache.data().view(torch.uint8).numpy().reshape(-1)[:pool_bytes]
+    base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
     results = {}
     for tokens in sizes:
         nbytes = tokens * LAYOUT.page_bytes(PAGE) // PAGE
-        base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
         part = src[:min(nbytes, src.nbytes)]  # the same bytes; repeated when pool < request
-        raw = [_baseline("raw", base, part, nbytes, queue, cmd) for _ in range(repeats)]
+        pdkv, raw = [], []
+        for repeat in range(repeats):  # alternate, so drift hits pdkv and raw alike
+            cmd.put(("pdkv", tokens, repeat))
+            pdkv.append(_await_pdkv(tx, cache, rows, queue))
+            raw.append(_baseline("raw", base, part, nbytes, queue, cmd))
         pick = [_baseline("pickle", base, part, part.nbytes, queue, cmd)
                 for _ in range(max(1, repeats // 2))]
         mem = [_memcpy(part, nbytes) for _ in range(repeats)]
-        results[tokens] = _figures(nbytes, pdkv[tokens], raw, mem, pick, part.nbytes)
+        results[tokens] = _figures(nbytes, pdkv, raw, mem, pick, part.nbytes)
     cmd.put(None)
+    while proc.is_alive() and tx.peers and not all(p.lost for p in tx.peers.values()):
+        _pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
     proc.join(30)
+    tx.close()
+    cache.close()
     return results
+
+
+def _await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue) -> float:
+    """Serve the child's announces until it reports the seconds the request took."""
+    while True:
+        _pump(tx, cache, tx.poll(0.002), rows)
+        if not queue.empty():
+            kind, _, seconds = queue.get()
+            assert kind == "pdkv", kind
+            return seconds
 
 
 def _pump(tx: KvSender, cache: KvCache, events: list, rows: dict) -> None:

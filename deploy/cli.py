@@ -61,8 +61,9 @@ def _add_bench(sub) -> None:
     t.add_argument("--json", action="store_true", help="print results as JSON")
     t.add_argument("--sizes", type=int, nargs="+", metavar="TOKENS",
                    help="request sizes in tokens (default 1024 8192 32768)")
-    t.add_argument("--transports", nargs="+", choices=["tcp", "ipc"], default=["tcp", "ipc"],
-                   help="transports to measure (default: both)")
+    t.add_argument("--transports", nargs="+", choices=["tcp", "ipc", "shm"],
+                   default=["tcp", "ipc", "shm"],
+                   help="transports to measure (default: all; shm = shared-memory pool)")
     t.add_argument("--repeats", type=int, help="runs per figure; medians are quoted")
     t.add_argument("--pool-tokens", type=int,
                    help="pool size in tokens; larger requests move as several pool-sized "
