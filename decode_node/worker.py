@@ -131,7 +131,8 @@ class DecodeWorker(WorkerBase):
         self.cache.commit(item.kv, len(item.prompt))
         item.state = ReqState.DECODING
         seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token])
-        self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True})
+        self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True,
+                   "t_kv_wall": time.time()})
         if not self.batch.add(seq):
             self._finish(item, seq.output)
 

@@ -30,7 +30,8 @@ class Result:
     t_first: float = 0.0
     t_done: float = 0.0
     xfer_s: float = 0.0
-    """Prefill: last chunk computed -> decode acknowledged the whole KV (0 colocated)."""
+    """Last prefill chunk computed -> the decode holds all KV and the first token (wall
+    clocks of both hosts; 0 colocated)."""
     kv_bytes: int = 0
 
     @property

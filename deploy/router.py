@@ -43,6 +43,8 @@ class WorkerInfo:
     last_seen: float = 0.0
     assigned: int = 0
     """Tokens routed here and not finished (prompt for prefill, whole row for decode)."""
+    routed: int = 0
+    """Requests routed here and not finished."""
     stats: dict | None = None
 
 
@@ -135,6 +137,8 @@ class Router:
     def _on_tokens(self, peer: bytes, msg: dict) -> None:
         route = self.routes.get(msg["rid"])
         if route is not None:
+            if "t_kv_wall" in msg:
+                route.extra["t_kv_wall"] = msg.pop("t_kv_wall")
             self.hub.send(route.client, msg)
 
     def _on_done(self, peer: bytes, msg: dict) -> None:
@@ -181,10 +185,16 @@ class Router:
         route = Route(rid, client, decode.name, prefill.name if prefill else "", len(prompt),
                       row_len, time.monotonic())
         self.routes[rid] = route
+        # Eager prefill: when the decode surely admits at once (room for the whole row,
+        # page rounding included, and batch slots), the prefill computes without waiting
+        # for the decode's announcement; otherwise it waits (admission is backpressure).
+        eager = (decode.assigned + row_len + self.config.page_size * (decode.routed + 1)
+                 <= decode.pool_tokens and decode.routed < self.config.max_running)
         decode.assigned += row_len
+        decode.routed += 1
         req = {"t": "req", "rid": rid, "prompt": pack_ids(prompt), "params": params.to_dict(),
                "prefill": route.prefill, "prefill_addr": prefill.kv_addr if prefill else "",
-               "decode": decode.name}
+               "decode": decode.name, "eager": eager}
         self._send_worker(decode.name, req)
         if prefill is not None:
             prefill.assigned += len(prompt)
@@ -196,6 +206,7 @@ class Router:
             self.hub.send(peer, {"t": "error", "rid": msg["rid"],
                                  "error": f"abort: unknown rid {msg['rid']!r} (not in flight)"})
             return
+        route.extra["aborted_by_client"] = True
         for name in (route.decode, route.prefill):
             if name:
                 self._send_worker(name, {"t": "abort", "rid": route.rid})
@@ -239,8 +250,9 @@ class Router:
 
     def _release(self, name: str, tokens: int) -> None:
         w = self.workers.get(name)
-        if w is not None:
+        if w is not None and tokens:
             w.assigned = max(0, w.assigned - tokens)
+            w.routed = max(0, w.routed - 1)
 
     def _send_worker(self, name: str, msg: dict) -> None:
         w = self.workers.get(name)
@@ -253,9 +265,14 @@ class Router:
             return
         info = route.prefill_info or {}
         out = {**done, "t": "done"}
+        if route.extra.get("aborted_by_client") and done["reason"] not in ("stop", "length"):
+            out["reason"] = "aborted"   # a race with the peer's abort may say "error"
         for key in ("xfer_s", "kv_bytes"):
             if key in info:
                 out[key] = info[key]
+        if "t_finish_wall" in info and "t_kv_wall" in route.extra:
+            # exposed transfer: prefill's last chunk computed -> decode holds KV + token
+            out["xfer_s"] = max(0.0, route.extra["t_kv_wall"] - info["t_finish_wall"])
         self.hub.send(route.client, out)
         del self.routes[route.rid]
 

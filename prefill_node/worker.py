@@ -42,6 +42,8 @@ class PrefillReq:
     state: ReqState = ReqState.QUEUED
     task: PrefillTask | None = None
     announced: bool = False
+    eager: bool = False
+    """Compute before the decode announced (the router saw room at the decode)."""
     t_first_send: float = 0.0
     t_finish: float = 0.0
 
@@ -80,6 +82,7 @@ class PrefillWorker(WorkerBase):
             req = PrefillReq(rid, unpack_ids(msg["prompt"]),
                              SamplingParams.from_dict(msg["params"]))
             req.announced = rid in self.early_ready
+            req.eager = bool(msg.get("eager", False))
             self.early_ready.discard(rid)
             self.reqs[rid] = req
         elif msg["t"] == "abort":
@@ -93,8 +96,8 @@ class PrefillWorker(WorkerBase):
                 self.early_ready.discard(rid)
                 self.sender.abort(rid, detail="client abort")
             return
-        if req.announced:
-            self.sender.abort(rid, detail="client abort")
+        # an eager transfer exists before the announcement; abort is a no-op when unknown
+        self.sender.abort(rid, detail="client abort")
         self._end(req, "aborted")
 
     # -- work ----------------------------------------------------------------------------
@@ -121,7 +124,7 @@ class PrefillWorker(WorkerBase):
         """Open rows for announced requests, in arrival order, while the pool has room."""
         any_admitted = False
         for req in self.reqs.values():
-            if req.state != ReqState.QUEUED or not req.announced:
+            if req.state != ReqState.QUEUED or not (req.announced or req.eager):
                 continue
             need = ceil_div(len(req.prompt), self.cache.page_size)
             if self.cache.num_free_pages() < need or len(self.engine.tasks) >= \
@@ -175,7 +178,10 @@ class PrefillWorker(WorkerBase):
         if reason == "sent":
             self.counts["prompt_tokens"] += len(req.prompt)
             self.windows.append((req.t_first_send, now))
-            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(len(req.prompt)))
+            # t_finish_wall lets the router measure last chunk -> first token at the decode
+            # (same host or synchronised clocks); xfer_s (-> acknowledgement) is the fallback
+            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(len(req.prompt)),
+                       t_finish_wall=time.time() - (now - req.t_finish))
         if detail:
             msg["error"] = detail
         req.state = ReqState.FINISHED if reason == "sent" else ReqState.ABORTED
@@ -202,8 +208,7 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         for req in list(self.reqs.values()):
-            if req.announced and req.state != ReqState.FINISHED:
-                self.sender.abort(req.rid, detail="worker shutting down")
+            self.sender.abort(req.rid, detail="worker shutting down")
             self._end(req, "aborted", "worker shutting down")
         self.sender.close()
         self.cache.check_integrity()

@@ -126,7 +126,7 @@ def test_aborts_in_every_stage_free_both_sides(tmp_path):
     prompt = [(5 * i) % 512 for i in range(300)]
     reqs = [WorkRequest(rid, prompt, 60, 0.0) for rid in ("a", "b", "c")]
     cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
-    results = drive(cluster.client, reqs, aborts={"b": 0.05, "c": 0.05},
+    results = drive(cluster.client, reqs, aborts={"b": 0.06, "c": 0.03},
                     abort_after_tokens={"a": 3}, check=cluster.check, timeout_s=60)
     cluster.stop()
     cluster.check_exit_codes()
