@@ -169,3 +169,51 @@ def test_pdkv_run_cli_writes_jsonl_and_a_json_summary(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [x["rid"] for x in lines] == [f"s4-r{i:05d}" for i in range(6)]
     assert all(2 <= len(x["output_ids"]) <= 6 for x in lines)
+
+
+def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
+    """The multi-host commands: pdkv router, pdkv prefill --kv-advertise, pdkv decode."""
+    import json
+    import socket
+
+    from deploy.client import Client
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    router, kv = f"tcp://127.0.0.1:{port()}", port()
+    base = [sys.executable, "-m", "deploy.cli"]
+    cmds = {
+        "router": [*base, "router", "--bind", router, "--config-json",
+                   json.dumps(CFG.to_dict())],
+        "p": [*base, "prefill", "--router", router, "--name", "p", "--kv-bind",
+              f"tcp://0.0.0.0:{kv}", "--kv-advertise", f"tcp://127.0.0.1:{kv}",
+              "--log-dir", str(tmp_path)],
+        "d": [*base, "decode", "--router", router, "--name", "d", "--log-dir", str(tmp_path)],
+    }
+    procs = {n: subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=open(
+        tmp_path / f"{n}.log", "w")) for n, c in cmds.items()}
+    client = Client(router)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                workers = client.status(0.5)["workers"]
+            except TimeoutError:
+                continue
+            if len(workers) == 2 and all(w["ready"] for w in workers.values()):
+                break
+        reqs = make_workload(SPEC, 512)
+        results = drive(client, reqs, timeout_s=60)
+        assert {rid: r.output_ids for rid, r in results.items()} == reference
+        stats = client.shutdown(20)
+        assert stats["p"]["sent"] == SPEC.requests and stats["d"]["finished"] == SPEC.requests
+        assert all(p.wait(20) == 0 for p in procs.values())
+    finally:
+        client.close()
+        for p in procs.values():
+            p.kill()
+    for name in ("p", "d"):
+        assert replay_file(tmp_path / f"{name}.freelog").ok
