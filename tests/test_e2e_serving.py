@@ -217,3 +217,16 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
             p.kill()
     for name in ("p", "d"):
         assert replay_file(tmp_path / f"{name}.freelog").ok
+
+
+def test_workers_exit_on_their_own_when_the_router_dies(tmp_path):
+    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    router = next(p for p in cluster.procs if p.role == "router")
+    router.popen.kill()
+    workers = [p for p in cluster.procs if p.role != "router"]
+    codes = [p.popen.wait(CFG.lease_s + 10) for p in workers]
+    assert codes == [3, 3]   # RouterLost: no orphan outlives its deployment
+    assert "router silent" in (tmp_path / "decode0.log").read_text()
+    cluster.stop()
+    for log in cluster.freelogs():
+        assert replay_file(log).ok
