@@ -55,6 +55,11 @@ class FreeLogWriter:
                                          daemon=True)
         self._flusher.start()
 
+    @property
+    def num_events(self) -> int:
+        """Events recorded so far (the next event's ``seq``)."""
+        return self._seq
+
     # -- events -------------------------------------------------------------------------
     def alloc(self, pool: str, pages: np.ndarray, owner: str) -> None:
         self._event("alloc", pool, pages, owner=owner)

@@ -99,6 +99,11 @@ class KvCache:
         return SharedTensor(shape, self.layout.torch_dtype)
 
     @property
+    def free_log(self) -> FreeLogWriter | None:
+        """The recorder of this cache's allocator events, if any."""
+        return self._log
+
+    @property
     def pool_names(self) -> list[str]:
         return list(self._pools)
 
