@@ -1,8 +1,8 @@
 """Drive a workload through a router: send at arrival times, collect streamed results.
 
 Used by ``pdkv run``, ``pdkv bench serve`` and the end-to-end tests. Timing is measured
-here, at the client: TTFT = first token received - submitted; TPOT = (last - first) /
-(tokens - 1).
+here, at the client: TTFT = first token received - submitted; TPOT = (last token - first
+token) / (tokens - 1).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Result:
     error: str = ""
     t_submit: float = 0.0
     t_first: float = 0.0
+    t_last: float = 0.0
+    """When the last token arrived (``done`` may follow later)."""
     t_done: float = 0.0
     xfer_s: float = 0.0
     """Last prefill chunk computed -> the decode holds all KV and the first token (wall
@@ -45,7 +47,7 @@ class Result:
     @property
     def tpot_s(self) -> float:
         n = len(self.output_ids)
-        return (self.t_done - self.t_first) / (n - 1) if n > 1 and self.t_first else 0.0
+        return (self.t_last - self.t_first) / (n - 1) if n > 1 and self.t_first else 0.0
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "output_ids": self.output_ids, "prompt_len": self.prompt_len,
@@ -129,6 +131,7 @@ def _on_message(results: dict[str, Result], msg: dict) -> bool:
     now = time.monotonic()
     if msg["t"] == "tokens":
         res.t_first = res.t_first or now
+        res.t_last = now
         res.output_ids.extend(msg["ids"])
         return False
     if msg["t"] in ("done", "error"):
