@@ -14,6 +14,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,8 +91,10 @@ class Cluster:
             raise ValueError("need at least one decode (and one prefill in disagg mode)")
         self.config, self.mode = config, mode
         self.devices = devices or ["cpu"]
-        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="pdkv-")
-        self.log_dir = Path(log_dir or self._tmp.name)
+        # a temporary log directory survives a failure (its path is printed); cleanup()
+        # removes it after a clean run
+        self._tmp_logs = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdkv-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.sock_dir = Path(tempfile.mkdtemp(prefix="pdkv-sock-"))
         self.threads = threads
@@ -187,6 +190,7 @@ class Cluster:
             self.client.close()
             self.client = None
         self._reap(timeout_s)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
         return self.final_stats
 
     def _terminate_all(self, sig: int) -> None:
@@ -214,12 +218,9 @@ class Cluster:
         return sorted(self.log_dir.glob("*.freelog"))
 
     def cleanup(self) -> None:
-        """Remove the socket directory and a temporary log directory."""
-        for f in self.sock_dir.glob("*"):
-            f.unlink(missing_ok=True)
-        self.sock_dir.rmdir()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        """Remove a temporary log directory (call after a clean run)."""
+        if self._tmp_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self.start()
