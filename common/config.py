@@ -41,6 +41,9 @@ class ServeConfig:
     draft_kv: bool = False
     """Prefill also computes (and ships) the draft model's KV; speculative decoding
     needs it. Off: pools hold the target's layers only."""
+    shared_memory: bool = True
+    """Decode pools on CPU live in named shared memory, so a prefill on the same host
+    copies pages straight into them (transport protocol v2); elsewhere ZMQ frames."""
     max_new_tokens_limit: int = 2048
     """Largest max_new_tokens a request may ask for."""
     transport: str = "ipc"

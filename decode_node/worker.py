@@ -42,12 +42,12 @@ class DecodeWorker(WorkerBase):
                  log_dir: str | None = None) -> None:
         super().__init__(name, router, device, log_dir)
         cfg = self.config
-        self.model, cache, self.runner = self.make_cache(cfg.decode_pages)
+        self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
         self.admission = Admission(cache, cfg.max_running)
         self.batch = DecodeBatch(self.runner)
         self.rx = KvReceiver(cache, TransportConfig(
-            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s),
-            ctx=self.ctx)
+            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
+            shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.groups: dict[str, int] = {}
         self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
         self.report_ready()

@@ -74,8 +74,12 @@ class WorkerBase(ABC):
                                    f"{msg['error']}")
         raise RouterLost(f"{self.name}: no answer from the router within {timeout_s}s")
 
-    def make_cache(self, num_pages: int) -> tuple[Model, KvCache, ModelRunner]:
-        """Model, pool (recording to ``<log_dir>/<name>.freelog``) and runner."""
+    def make_cache(self, num_pages: int, shared_memory: bool = False
+                   ) -> tuple[Model, KvCache, ModelRunner]:
+        """Model, pool (recording to ``<log_dir>/<name>.freelog``) and runner.
+
+        ``shared_memory`` puts a CPU pool in named shared memory (peers on this host copy
+        into it directly); ignored for device pools."""
         mcfg = self.config.model_config()
         model = Model(mcfg, device=self.device)
         log = None
@@ -84,7 +88,8 @@ class WorkerBase(ABC):
             log = str(Path(self.log_dir) / f"{self.name}.freelog")
         cache = KvCache(num_pages, self.config.page_size, layout=mcfg.kv_layout(
             with_draft=self.config.draft_kv), device=self.device, log_path=log,
-            node=self.name, max_rows=self.config.max_rows)
+            node=self.name, max_rows=self.config.max_rows,
+            shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
         return model, cache, ModelRunner(model, cache)
 

@@ -66,8 +66,8 @@ class PrefillWorker(WorkerBase):
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
                                     with_draft=cfg.draft_kv)
         self.sender = KvSender(cache, kv_bind, TransportConfig(
-            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s),
-            ctx=self.ctx)
+            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
+            shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.reqs: OrderedDict[str, PrefillReq] = OrderedDict()
         self.early_ready: set[str] = set()
         self.dropped: deque[str] = deque(maxlen=_FORGET)
