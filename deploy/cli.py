@@ -169,6 +169,12 @@ def _add_run(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stderr is a terminal)")
+    p.add_argument("--router", metavar="ADDR",
+                   help="launch nothing: send the workload to a running router (workers "
+                        "started with pdkv router/prefill/decode, e.g. on several hosts)")
+    p.add_argument("--shutdown", action="store_true",
+                   help="with --router: stop the deployment afterwards and replay the free "
+                        "logs found in --log-dir")
     _add_workload_flags(p, 64)
     _add_config_flags(p)
     p.set_defaults(func=_run_run)

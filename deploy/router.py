@@ -214,7 +214,8 @@ class Router:
     def _on_status(self, peer: bytes, msg: dict) -> None:
         self.hub.send(peer, {"t": "status", "workers": {
             w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
-            for w in self.workers.values()}, "in_flight": len(self.routes)})
+            for w in self.workers.values()}, "in_flight": len(self.routes),
+            "config": self.config.to_dict()})
 
     def _on_shutdown(self, peer: bytes, msg: dict) -> None:
         logger.info("router: shutdown requested")

@@ -76,9 +76,11 @@ def replay_all(paths: list[Path]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    if args.router:
+        return _attach(args, progress)
     cfg, spec = config_from_args(args), workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
                       threads=args.threads)
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
@@ -92,10 +94,43 @@ def main(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"pdkv run: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
         return 2
-    summary = summarize(results, stats, wall)
-    problems = replay_all(cluster.freelogs())
-    summary["freelogs"] = len(cluster.freelogs())
-    summary["freelog_violations"] = len(problems)
+    code = _report(args, results, summarize(results, stats, wall), cluster.freelogs(),
+                   layout, cluster.log_dir)
+    if code == 0:
+        cluster.cleanup()
+    return code
+
+
+def _attach(args: argparse.Namespace, progress: bool) -> int:
+    """``--router ADDR``: drive the workload through a running deployment."""
+    from deploy.client import Client
+
+    client = Client(args.router, "pdkv-run")
+    try:
+        status = client.status(10.0)
+        workers = status["workers"]
+        vocab = ServeConfig.from_dict(status["config"]).model_config().vocab_size
+        requests = make_workload(workload_from_args(args), vocab)
+        t0 = time.monotonic()
+        results = drive(client, requests, progress=_progress_line if progress else None)
+        wall = time.monotonic() - t0
+        stats = client.shutdown() if args.shutdown else {}
+    except TimeoutError as exc:
+        print(f"pdkv run: FAILED: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    logs = sorted(Path(args.log_dir).glob("*.freelog")) if args.log_dir and args.shutdown \
+        else []
+    return _report(args, results, summarize(results, stats, wall), logs,
+                   f"{len(workers)} workers at {args.router}", args.log_dir or "")
+
+
+def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
+            freelogs: list[Path], layout: str, log_dir) -> int:
+    """Replay the free logs, write --output, print the summary; the exit status."""
+    problems = replay_all(freelogs)
+    summary["freelogs"], summary["freelog_violations"] = len(freelogs), len(problems)
     if args.output:
         with open(args.output, "w") as f:
             for rid in sorted(results):
@@ -104,15 +139,12 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"mode": args.mode, "layout": layout, **summary}))
     else:
         print(format_summary(summary, args.mode, layout))
-        print(f"  free logs     {summary['freelogs']} replayed, "
+        print(f"  free logs     {len(freelogs)} replayed, "
               f"{'clean' if not problems else 'VIOLATIONS'}")
     for p in problems:
         print(p, file=sys.stderr)
-    failed = summary["ok"] != summary["requests"]
-    if problems or failed:
+    if problems or summary["ok"] != summary["requests"]:
         print(f"pdkv run: {'free-log violations' if problems else 'requests failed'}; "
-              f"logs kept in {cluster.log_dir}", file=sys.stderr)
+              f"logs kept in {log_dir}", file=sys.stderr)
         return 1
-    if not args.log_dir:
-        cluster.cleanup()
     return 0

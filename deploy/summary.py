@@ -26,7 +26,9 @@ def summarize(results: dict[str, Result], stats: dict, wall_s: float,
     tpot = [r.tpot_s for r in ok if len(r.output_ids) > 1]
     xfer_share = [r.xfer_s / r.ttft_s for r in ok if r.ttft_s > 0]
     tokens = sum(len(r.output_ids) for r in ok)
-    kv_bytes = sum(int(s.get("bytes_sent", 0)) for s in stats.values())
+    # workers' own count after a shutdown; else what the requests report (attached runs)
+    kv_bytes = sum(int(s.get("bytes_sent", 0)) for s in stats.values()) or sum(
+        r.kv_bytes for r in results.values())
     busy = sum(float(s.get("stream_busy_s", 0.0)) for s in stats.values())
     good = [r for r in ok if r.ttft_s <= ttft_target and r.tpot_s <= tpot_target]
     reasons: dict[str, int] = {}

@@ -205,11 +205,18 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
                 continue
             if len(workers) == 2 and all(w["ready"] for w in workers.values()):
                 break
-        reqs = make_workload(SPEC, 512)
-        results = drive(client, reqs, timeout_s=60)
-        assert {rid: r.output_ids for rid, r in results.items()} == reference
-        stats = client.shutdown(20)
-        assert stats["p"]["sent"] == SPEC.requests and stats["d"]["finished"] == SPEC.requests
+        out = tmp_path / "out.jsonl"   # pdkv run --router: drive a running deployment
+        run = subprocess.run(
+            [*base, "run", "--router", router, "--shutdown", "--log-dir", str(tmp_path),
+             "--requests", str(SPEC.requests), "--seed", str(SPEC.seed), "--rate", "40",
+             "--prompt-len", *map(str, SPEC.prompt_len), "--output-len",
+             *map(str, SPEC.output_len), "--output", str(out), "--json"],
+            capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        summary = json.loads(run.stdout)
+        assert summary["freelogs"] == 2 and summary["freelog_violations"] == 0
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert {x["rid"]: x["output_ids"] for x in lines} == reference
         assert all(p.wait(20) == 0 for p in procs.values())
     finally:
         client.close()
