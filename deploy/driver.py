@@ -73,35 +73,51 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
     Raises:
         TimeoutError: not every request ended within ``timeout_s``.
     """
-    results = {r.rid: Result(r.rid, len(r.prompt), r.max_new_tokens) for r in requests}
-    pending_aborts = dict(aborts or {})
-    t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    next_i, done = 0, 0
-    while done < len(requests):
-        now = time.monotonic()
-        if now > deadline:
-            raise TimeoutError(f"{len(requests) - done} requests unfinished after "
+    session = _Session(client, requests, params or {}, dict(aborts or {}),
+                       dict(abort_after_tokens or {}))
+    deadline = session.t0 + timeout_s
+    while session.done < len(requests):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(requests) - session.done} requests unfinished after "
                                f"{timeout_s}s")
-        while next_i < len(requests) and now - t0 >= requests[next_i].arrival_s:
-            req = requests[next_i]
-            results[req.rid].t_submit = time.monotonic()
-            client.submit(req.rid, req.prompt, {"max_new_tokens": req.max_new_tokens,
-                                                **(params or {})})
-            next_i += 1
-        _send_aborts(client, results, pending_aborts, now)
-        wait = 0.05
-        if next_i < len(requests):
-            wait = min(wait, max(0.0, t0 + requests[next_i].arrival_s - now))
-        for msg in client.poll(wait):
-            if _on_message(results, msg):
-                done += 1
-                if progress is not None:
-                    progress(done, len(requests))
-        _abort_on_tokens(client, results, abort_after_tokens or {})
+        session.step(progress)
         if check is not None:
             check()
-    return results
+    return session.results
+
+
+class _Session:
+    """One ``drive`` call's state: what was sent, what came back, aborts still due."""
+
+    def __init__(self, client: Client, requests: list[WorkRequest], params: dict,
+                 aborts: dict[str, float], after_tokens: dict[str, int]) -> None:
+        self.client, self.requests, self.params = client, requests, params
+        self.aborts, self.after_tokens = aborts, after_tokens
+        self.results = {r.rid: Result(r.rid, len(r.prompt), r.max_new_tokens)
+                        for r in requests}
+        self.t0 = time.monotonic()
+        self.next_i = self.done = 0
+
+    def step(self, progress: Callable[[int, int], None] | None) -> None:
+        """Submit what is due, send due aborts, wait for messages until the next arrival."""
+        now = time.monotonic()
+        while self.next_i < len(self.requests) and \
+                now - self.t0 >= self.requests[self.next_i].arrival_s:
+            req = self.requests[self.next_i]
+            self.results[req.rid].t_submit = time.monotonic()
+            self.client.submit(req.rid, req.prompt, {"max_new_tokens": req.max_new_tokens,
+                                                     **self.params})
+            self.next_i += 1
+        _send_aborts(self.client, self.results, self.aborts, now)
+        wait = 0.05
+        if self.next_i < len(self.requests):
+            wait = min(wait, max(0.0, self.t0 + self.requests[self.next_i].arrival_s - now))
+        for msg in self.client.poll(wait):
+            if _on_message(self.results, msg):
+                self.done += 1
+                if progress is not None:
+                    progress(self.done, len(self.requests))
+        _abort_on_tokens(self.client, self.results, self.after_tokens)
 
 
 def _send_aborts(client: Client, results: dict[str, Result], aborts: dict[str, float],

@@ -23,29 +23,12 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.config import ServeConfig
+from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
 from deploy.request import BadRequest, SamplingParams, validate
 from deploy.wire import Hub, pack_ids, unpack_ids
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
-
-
-@dataclass
-class WorkerInfo:
-    name: str
-    role: str
-    peer: bytes
-    pid: int = 0
-    kv_addr: str = ""
-    pool_tokens: int = 0
-    ready: bool = False
-    lost: bool = False
-    last_seen: float = 0.0
-    assigned: int = 0
-    """Tokens routed here and not finished (prompt for prefill, whole row for decode)."""
-    routed: int = 0
-    """Requests routed here and not finished."""
-    stats: dict | None = None
 
 
 @dataclass
@@ -171,9 +154,10 @@ class Router:
                 list(msg["prompt"])
             params = SamplingParams.from_dict(msg.get("params", {}))
             validate(prompt, params, vocab_size=self.mcfg.vocab_size,
-                     max_tokens=self._max_tokens(),
+                     max_tokens=max_tokens(self.workers.values()),
                      max_new_tokens_limit=self.config.max_new_tokens_limit)
-            decode, prefill = self._pick(len(prompt), len(prompt) + params.max_new_tokens)
+            decode, prefill = pick(self.workers.values(), len(prompt),
+                                   len(prompt) + params.max_new_tokens)
         except BadRequest as exc:
             self.hub.send(peer, {"t": "error", "rid": rid, "error": str(exc)})
             return
@@ -185,11 +169,7 @@ class Router:
         route = Route(rid, client, decode.name, prefill.name if prefill else "", len(prompt),
                       row_len, time.monotonic())
         self.routes[rid] = route
-        # Eager prefill: when the decode surely admits at once (room for the whole row,
-        # page rounding included, and batch slots), the prefill computes without waiting
-        # for the decode's announcement; otherwise it waits (admission is backpressure).
-        eager = (decode.assigned + row_len + self.config.page_size * (decode.routed + 1)
-                 <= decode.pool_tokens and decode.routed < self.config.max_running)
+        eager = admits_at_once(decode, row_len, self.config)
         decode.assigned += row_len
         decode.routed += 1
         req = {"t": "req", "rid": rid, "prompt": pack_ids(prompt), "params": params.to_dict(),
@@ -228,27 +208,6 @@ class Router:
         self.hub.send(peer, {"t": "pong"})
 
     # -- helpers -------------------------------------------------------------------------
-    def _live(self, *roles: str) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.role in roles and w.ready and not w.lost]
-
-    def _max_tokens(self) -> int:
-        decodes = self._live("decode", "colocated")
-        if not decodes:
-            raise BadRequest("no decode or colocated worker is ready")
-        return max(w.pool_tokens for w in decodes)
-
-    def _pick(self, prompt_len: int, row_len: int) -> tuple[WorkerInfo, WorkerInfo | None]:
-        decodes = [w for w in self._live("decode", "colocated") if w.pool_tokens >= row_len]
-        if not decodes:
-            raise BadRequest(f"no ready worker can hold {row_len} tokens")
-        decode = min(decodes, key=lambda w: (w.assigned / w.pool_tokens, w.name))
-        if decode.role == "colocated":
-            return decode, None
-        prefills = [w for w in self._live("prefill") if w.pool_tokens >= prompt_len]
-        if not prefills:
-            raise BadRequest(f"no ready prefill worker can hold a {prompt_len}-token prompt")
-        return decode, min(prefills, key=lambda w: (w.assigned, w.name))
-
     def _release(self, name: str, tokens: int) -> None:
         w = self.workers.get(name)
         if w is not None and tokens:

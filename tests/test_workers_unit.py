@@ -167,3 +167,19 @@ def test_config_validation_names_allowed_values():
 
 def test_union_of_streaming_windows():
     assert _union_length([(0, 2), (1, 3), (5, 6)]) == 4
+
+
+def test_router_picks_the_least_loaded_workers_that_can_hold_the_request():
+    from deploy.placement import WorkerInfo, admits_at_once, pick
+    d0 = WorkerInfo("d0", "decode", b"d0", pool_tokens=1000, ready=True, assigned=500)
+    d1 = WorkerInfo("d1", "decode", b"d1", pool_tokens=4000, ready=True, assigned=1000)
+    small = WorkerInfo("d2", "decode", b"d2", pool_tokens=100, ready=True)
+    p0 = WorkerInfo("p0", "prefill", b"p0", pool_tokens=1000, ready=True, assigned=300)
+    p1 = WorkerInfo("p1", "prefill", b"p1", pool_tokens=1000, ready=True, assigned=100)
+    lost = WorkerInfo("p2", "prefill", b"p2", pool_tokens=1000, ready=True, lost=True)
+    decode, prefill = pick([d0, d1, small, p0, p1, lost], 50, 200)
+    assert (decode.name, prefill.name) == ("d1", "p1")   # d2 cannot hold 200 tokens
+    with pytest.raises(BadRequest, match="no ready worker can hold 5000 tokens"):
+        pick([d0, d1, p0], 50, 5000)
+    cfg = ServeConfig(page_size=16)
+    assert admits_at_once(d0, 400, cfg) and not admits_at_once(d0, 490, cfg)

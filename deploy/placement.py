@@ -1,0 +1,69 @@
+"""Where a request goes: the router's view of its workers and the load-aware choice.
+
+Load is what the router itself routed and has not seen finish (no staleness from
+heartbeats): a decode's share is reserved row tokens over its pool, a prefill's is prompt
+tokens not yet prefilled. Ties go to the lower name, so choices are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from common.config import ServeConfig
+from deploy.request import BadRequest
+
+
+@dataclass
+class WorkerInfo:
+    name: str
+    role: str
+    peer: bytes
+    pid: int = 0
+    kv_addr: str = ""
+    pool_tokens: int = 0
+    ready: bool = False
+    lost: bool = False
+    last_seen: float = 0.0
+    assigned: int = 0
+    """Tokens routed here and not finished (prompt for prefill, whole row for decode)."""
+    routed: int = 0
+    """Requests routed here and not finished."""
+    stats: dict | None = None
+
+
+def live(workers: Iterable[WorkerInfo], *roles: str) -> list[WorkerInfo]:
+    return [w for w in workers if w.role in roles and w.ready and not w.lost]
+
+
+def max_tokens(workers: Iterable[WorkerInfo]) -> int:
+    """Longest row (prompt + new tokens) some ready decode or colocated worker holds."""
+    decodes = live(workers, "decode", "colocated")
+    if not decodes:
+        raise BadRequest("no decode or colocated worker is ready")
+    return max(w.pool_tokens for w in decodes)
+
+
+def pick(workers: Iterable[WorkerInfo], prompt_len: int, row_len: int
+         ) -> tuple[WorkerInfo, WorkerInfo | None]:
+    """(decode or colocated worker, prefill or None for colocated), least loaded."""
+    workers = list(workers)
+    decodes = [w for w in live(workers, "decode", "colocated") if w.pool_tokens >= row_len]
+    if not decodes:
+        raise BadRequest(f"no ready worker can hold {row_len} tokens")
+    decode = min(decodes, key=lambda w: (w.assigned / w.pool_tokens, w.name))
+    if decode.role == "colocated":
+        return decode, None
+    prefills = [w for w in live(workers, "prefill") if w.pool_tokens >= prompt_len]
+    if not prefills:
+        raise BadRequest(f"no ready prefill worker can hold a {prompt_len}-token prompt")
+    return decode, min(prefills, key=lambda w: (w.assigned, w.name))
+
+
+def admits_at_once(decode: WorkerInfo, row_len: int, config: ServeConfig) -> bool:
+    """Eager prefill: the decode surely admits at once (room for the whole row with page
+    rounding, and a batch slot), so the prefill need not wait for its announcement.
+    Otherwise the prefill waits: preallocation at the decode is the backpressure."""
+    rounding = config.page_size * (decode.routed + 1)
+    return (decode.assigned + row_len + rounding <= decode.pool_tokens
+            and decode.routed < config.max_running)
