@@ -97,7 +97,8 @@ class DecodeWorker(WorkerBase):
             any_admitted = True
             try:
                 group = self._group(item.prefill, item.prefill_addr)
-                self.rx.announce(item.rid, item.kv, len(item.prompt), 0, group)
+                cached = self.load_cached_prefix(item)
+                self.rx.announce(item.rid, item.kv, len(item.prompt), cached, group)
             except (ValueError, TimeoutError, RuntimeError) as exc:
                 logger.error("%s: %s cannot reach prefill %s: %s", self.name, item.rid,
                              item.prefill, exc)
@@ -107,6 +108,12 @@ class DecodeWorker(WorkerBase):
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
                         item.rid, len(item.prompt), item.prefill)
         return any_admitted
+
+    def load_cached_prefix(self, item: WorkItem) -> int:
+        """Prefix-reuse seam: fill the row's first pages from a prefix cache and return
+        how many prompt tokens they hold (page-aligned); the transfer carries only the
+        rest. This worker has no prefix cache: 0."""
+        return 0
 
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)

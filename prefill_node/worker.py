@@ -132,12 +132,18 @@ class PrefillWorker(WorkerBase):
                 break
             kv = self.cache.open_row(req.rid)
             self.cache.extend(kv, len(req.prompt))
-            req.task = PrefillTask(req.rid, req.prompt, req.params, kv)
+            req.task = PrefillTask(req.rid, req.prompt, req.params, kv,
+                                   done=self.load_cached_prefix(req, kv))
             req.state = ReqState.PREFILLING
             self.engine.add(req.task)
             logger.info("%s: %s prefilling (%d tokens)", self.name, req.rid, len(req.prompt))
             any_admitted = True
         return any_admitted
+
+    def load_cached_prefix(self, req: PrefillReq, kv) -> int:
+        """Prefix-reuse seam: load KV of the prompt's cached prefix into ``kv`` (committing
+        it) and return its length; the engine computes only the rest. None here: 0."""
+        return 0
 
     def _on_event(self, ev) -> None:
         if ev.kind == EventKind.READY:
