@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from common.model_config import ModelConfig, get_config
 
-LATE_BLOCK_SCALE = 0.15
+LATE_BLOCK_SCALE = 0.05
 """Scale of the output projections of blocks the draft model skips."""
 
 
