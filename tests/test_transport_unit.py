@@ -197,6 +197,27 @@ def test_source_pages_stay_pinned_until_sent_and_the_row_free_is_deferred(pair):
     assert pair.pc.num_free_pages() == free0 and pair.tx.num_pins == 0
 
 
+
+def test_source_pins_drop_in_the_poll_that_reports_completed(pair):
+    """The Ack settles the leg: the worker's row free right after COMPLETED is immediate,
+    whatever the MessageTracker of the connection's last frame says by then."""
+    free0 = pair.pc.num_free_pages()
+    kv_p, kv_d = _rows(pair, "r1", 17)
+    pair.rx.announce("r1", kv_d, 17)
+    assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
+    pair.tx.finish("r1", kv_p, first_token=7)
+    deadline = time.monotonic() + 2
+    done = []
+    while not done and time.monotonic() < deadline:
+        pair.rx.poll(0.01)
+        done = [e for e in pair.tx.poll(0.01) if e.kind == EventKind.COMPLETED]
+    assert [(e.rid, e.reason) for e in done] == [("r1", "sent")]
+    assert pair.tx.num_pins == 0 and "r1" not in pair.tx.transfers
+    pair.pc.free_kv_row(kv_p, [(0, 17)], reason="sent")
+    pair.pc.close_row(kv_p)
+    assert pair.pc.num_free_pages() == free0
+    pair.pc.check_integrity()
+
 def torch_equal(a, b):
     import torch
     return torch.equal(a, b)

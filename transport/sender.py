@@ -10,8 +10,9 @@ A worker's loop::
     cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="sent")  # safe at once: pinned
 
 The sender pins source pages when ``send``/``finish`` hands them over and unpins each
-run once ZMQ released its zero-copy reference (``MessageTracker``), once its copy into a
-same-host decode's shared pool returned (``shm.ShmChannel``), or once the peer is gone;
+run once ZMQ released its zero-copy reference (``MessageTracker``) or the decode acked
+every byte, once its copy into a same-host decode's shared pool returned
+(``shm.ShmChannel``), or once the peer is gone;
 the worker alone frees rows (reason from the final ``Event``).
 """
 
@@ -472,13 +473,20 @@ class KvSender(Endpoint):
                 leg.abort_acked = True
 
     def _release_pins(self, out: Outgoing) -> None:
-        """Unpin runs that no live peer can still read; drop finished transfers."""
-        lost = {k for k, p in self.peers.items() if p.lost}
+        """Unpin runs that no live peer can still read; drop finished transfers.
+
+        A leg's completions are settled by its tracker, by its Ack (the decode holds every
+        byte, so ZMQ will not read the pages again; the tracker of a connection's last
+        frame can lag until the next message leaves) or by the peer's loss. So pins drop
+        in the very poll that reports COMPLETED, and the worker's row free is immediate.
+        """
+        settled = {k for k, p in self.peers.items() if p.lost}
+        settled.update(k for k, g in out.legs.items() if g.acked)
         aborting = out.state == OutState.CLOSED and out.legs and not all(
             g.acked for g in out.legs.values())
         keep = []
         for pin in out.pins:
-            busy = any(not done.done for key, done in pin.completions if key not in lost)
+            busy = any(not done.done for key, done in pin.completions if key not in settled)
             unsent = not pin.flushed and not out.state.is_final
             if busy or unsent or (aborting and not out.abort_settled):
                 keep.append(pin)
