@@ -53,21 +53,23 @@ class NaiveAllocator:
                 self.free_list.append(page)
 
 
-def _median_time(fn_setup, fn, repeats: int) -> float:
+def _median_time(setup, timed, repeats: int, teardown=lambda state: None) -> float:
+    """Median seconds of ``timed(state)`` over fresh ``setup()`` states."""
     times = []
     for _ in range(repeats):
-        state = fn_setup()
+        state = setup()
         t0 = time.perf_counter()
-        fn(state)
+        timed(state)
         times.append(time.perf_counter() - t0)
+        teardown(state)
     return statistics.median(times)
 
 
 def bench_free_kv_row(page_size: int, repeats: int) -> dict:
     num_pages = ROW_TOKENS // page_size + 2
     committed, allocated = ROW_TOKENS - 40, ROW_TOKENS
-    ranges = [(0, ceil_align(committed, page_size)), (ceil_align(committed, page_size),
-                                                      allocated)]
+    tail = ceil_align(committed, page_size)
+    ranges = [(0, tail), (tail, allocated)]  # committed part, speculative tail
     cache = KvCache(num_pages, page_size, max_rows=2)
 
     def setup_pdkv():
@@ -75,24 +77,12 @@ def bench_free_kv_row(page_size: int, repeats: int) -> dict:
         cache.extend(kv, allocated)
         return kv
 
-    def run_pdkv(kv):
-        cache.free_kv_row(kv, ranges)
-
-    def teardown_pdkv(kv):
-        cache.close_row(kv)
-
     def setup_naive():
         naive = NaiveAllocator(num_pages, page_size)
         return naive, naive.allocate_row("r", allocated)
 
-    times = []
-    for _ in range(repeats):
-        kv = setup_pdkv()
-        t0 = time.perf_counter()
-        run_pdkv(kv)
-        times.append(time.perf_counter() - t0)
-        teardown_pdkv(kv)
-    pdkv_s = statistics.median(times)
+    pdkv_s = _median_time(setup_pdkv, lambda kv: cache.free_kv_row(kv, ranges), repeats,
+                          teardown=cache.close_row)
     naive_s = _median_time(setup_naive, lambda s: s[0].free_row("r", s[1], ranges), repeats)
     return {"page_size": page_size, "pdkv_ms": pdkv_s * 1e3, "naive_ms": naive_s * 1e3,
             "speedup": naive_s / pdkv_s}
