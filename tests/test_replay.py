@@ -341,3 +341,31 @@ def test_owner_table_is_compacted_and_names_stay_right(tmp_path, monkeypatch):
     v = only_violation(replay(tmp_path, events))
     assert (v.kind, v.page, v.owner) == ("foreign-free", 5, "req-199")
     assert v.last == {"seq": 400, "op": "alloc", "owner": "req-last"}
+
+
+# -- events of many pages ----------------------------------------------------------------
+BIG = list(range(1, 15))
+
+
+def test_bulk_events_pinned_while_freed_release_at_the_last_unpin(tmp_path):
+    report = replay(tmp_path, [alloc("req-1", *BIG), pin(1, *BIG), pin(2, *BIG[:12]),
+                               free("req-1", *BIG), unpin(2, *BIG[:12]), unpin(1, *BIG),
+                               release(*BIG), alloc("req-2", *BIG), free("req-2", *BIG),
+                               close()])
+    assert report.ok, report.format()
+    assert report.pools["full"]["pages_released"] == 14
+
+
+def test_bulk_double_free_names_the_page(tmp_path):
+    v = only_violation(replay(tmp_path, [alloc("req-1", *BIG), free("req-1", *BIG[:13]),
+                                         free("req-1", *BIG), close()]))
+    assert (v.kind, v.seq, v.page) == ("double-free", 2, 1)
+
+
+def test_bulk_pin_of_free_pages_and_missing_release_are_caught(tmp_path):
+    v = only_violation(replay(tmp_path, [alloc("req-1", *BIG[:13]), pin(1, *BIG),
+                                         unpin(1, *BIG), free("req-1", *BIG[:13]), close()]))
+    assert (v.kind, v.page) == ("pin-free-page", 14)
+    report = replay(tmp_path, [alloc("req-1", *BIG), pin(1, *BIG), free("req-1", *BIG),
+                               unpin(1, *BIG), close()])
+    assert "missing-release" in report.violations_by_kind, report.format()
