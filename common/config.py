@@ -40,7 +40,21 @@ class ServeConfig:
     """Decode: most requests in one continuous batch."""
     draft_kv: bool = False
     """Prefill also computes (and ships) the draft model's KV; speculative decoding
-    needs it. Off: pools hold the target's layers only."""
+    needs it. Off: pools hold the target's layers only. Implied by ``spec_k > 0``
+    (see ``with_draft``)."""
+    spec_k: int = 3
+    """Decode: draft tokens proposed per sequence per step (speculative decoding, greedy
+    requests only); 0 turns speculation off. 3 is where the tiny model's decode tokens/s
+    peaked (acceptance about 0.86); larger k wastes verify work on rejected tails."""
+    offload: bool = True
+    """Decode offloads committed full pages to a host tier while decoding, and prefill
+    and decode reuse cached prompt prefixes from their host tiers (docs/host_tier.md)."""
+    host_pages: int = 4096
+    """Pages of each worker's host tier (page 0 reserved); used when ``offload`` is on."""
+    overcommit: bool = False
+    """Decode admits a request on its prompt's pages alone instead of its whole life; when
+    a running request cannot grow, the youngest is retracted to the host tier and resumed
+    when pages come back. Needs ``offload``."""
     shared_memory: bool = True
     """Decode pools on CPU live in named shared memory, so a prefill on the same host
     copies pages straight into them (transport protocol v2); elsewhere ZMQ frames."""
@@ -58,6 +72,9 @@ class ServeConfig:
     """Router: a request with no result after this long fails with 'timeout'."""
     debug_integrity: bool = False
     """Workers run ``KvCache.check_integrity()`` whenever their loop is idle."""
+    debug_copy_delay_s: float = 0.0
+    """Test aid: every copy to or from a host tier (CPU) starts this late, so aborts
+    land while copies are in flight. 0 in production."""
 
     def __post_init__(self) -> None:
         if self.model not in CONFIGS:
@@ -80,8 +97,23 @@ class ServeConfig:
         if not 0 < self.heartbeat_s < self.lease_s:
             raise ValueError(f"need 0 < heartbeat_s={self.heartbeat_s} < "
                              f"lease_s={self.lease_s}")
+        if not 0 <= self.spec_k <= 16:
+            raise ValueError(f"spec_k={self.spec_k}; allowed: 0 (off) to 16")
+        if self.spec_k and not get_config(self.model).num_draft_layers:
+            raise ValueError(f"spec_k={self.spec_k} but model {self.model!r} has no draft "
+                             "layers; use spec_k=0")
+        if self.offload and self.host_pages < 2:
+            raise ValueError(f"host_pages={self.host_pages} must be >= 2 (page 0 is reserved)")
+        if self.overcommit and not self.offload:
+            raise ValueError("overcommit=True needs offload=True (retraction goes to the "
+                             "host tier)")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
+
+    @property
+    def with_draft(self) -> bool:
+        """Pools hold the draft's layers and prefill computes its KV."""
+        return self.draft_kv or self.spec_k > 0
 
     def model_config(self) -> ModelConfig:
         """The model's config with ``dtype`` applied."""

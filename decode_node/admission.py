@@ -91,6 +91,13 @@ class Admission:
         self.cache.close_row(item.kv)
         item.kv = None
 
+    def forget(self, item: WorkItem) -> None:
+        """Drop the item without freeing: its row's free was handed over (the host
+        connector frees it once its copies to the host tier complete)."""
+        self.admitted.pop(item.rid, None)
+        self.queue.pop(item.rid, None)
+        item.kv = None
+
     def find(self, rid: str) -> WorkItem | None:
         return self.admitted.get(rid) or self.queue.get(rid)
 

@@ -36,7 +36,7 @@ from common.errors import OutOfPages
 from common.kv_cache import KvCache
 from common.kv_record import KvRecord
 from common.model_runner import BatchItem, ModelRunner
-from decode_node.batch import DecodeSeq
+from decode_node.batch import DecodeSeq, greedy_step
 
 logger = logging.getLogger(__name__)
 
@@ -206,3 +206,31 @@ def _ends(s: DecodeSeq, tokens: list[int]) -> bool:
     stop = s.params.stop_token
     return (len(s.output) + len(tokens) >= s.params.max_new_tokens
             or (stop >= 0 and bool(tokens) and tokens[-1] == stop))
+
+
+class MixedStep:
+    """Speculation for greedy sequences, one sampled token for the others, in one step.
+
+    Args:
+        k: draft tokens per greedy sequence per step (>= 1).
+
+    Sequences with ``temperature > 0`` run ``greedy_step`` (which samples by their params)
+    in a second forward pass, so one sampled request never fails a speculative batch.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.spec = SpeculativeStep(k)
+        self.stats = self.spec.stats
+
+    def forget(self, rid: str) -> None:
+        self.spec.forget(rid)
+
+    def __call__(self, runner: ModelRunner, seqs: list[DecodeSeq]) -> list[list[int]]:
+        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+        other = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
+        out: list[list[int]] = [[] for _ in seqs]
+        for part, fn in ((greedy, self.spec), (other, greedy_step)):
+            if part:
+                for i, toks in zip(part, fn(runner, [seqs[i] for i in part])):
+                    out[i] = toks
+        return out

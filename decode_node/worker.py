@@ -25,6 +25,8 @@ import time
 
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from decode_node.host_connector import HostConnector
+from deploy.host_setup import close_offloader, host_salt, make_offloader, make_step, spec_stats
 from deploy.request import BadRequest, ReqState, SamplingParams
 from deploy.wire import unpack_ids
 from deploy.worker_base import WorkerBase
@@ -44,7 +46,11 @@ class DecodeWorker(WorkerBase):
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
         self.admission = Admission(cache, cfg.max_running)
-        self.batch = DecodeBatch(self.runner)
+        self.off = make_offloader(cfg, cache, device, log_dir, name)
+        self.conn = HostConnector(self.off, host_salt(cfg, cache)) if self.off else None
+        self.step = make_step(cfg)
+        self.batch = DecodeBatch(self.runner, self.step,
+                                 on_commit=self.conn.on_commit if self.conn else None)
         self.rx = KvReceiver(cache, TransportConfig(
             node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
@@ -80,6 +86,8 @@ class DecodeWorker(WorkerBase):
     def tick(self) -> bool:
         for ev in self.rx.poll(0):
             self._on_event(ev)
+        if self.conn is not None:
+            self.conn.reap()
         admitted = self._admit()
         if not len(self.batch):
             return admitted
@@ -88,7 +96,7 @@ class DecodeWorker(WorkerBase):
             if toks:
                 self.send({"t": "tokens", "rid": seq.rid, "ids": toks})
         for seq in finished:
-            self._finish(self.admission.admitted[seq.rid], seq.output)
+            self._finish(self.admission.admitted[seq.rid], seq)
         return True
 
     def _admit(self) -> bool:
@@ -110,10 +118,28 @@ class DecodeWorker(WorkerBase):
         return any_admitted
 
     def load_cached_prefix(self, item: WorkItem) -> int:
-        """Prefix-reuse seam: fill the row's first pages from a prefix cache and return
-        how many prompt tokens they hold (page-aligned); the transfer carries only the
-        rest. This worker has no prefix cache: 0."""
-        return 0
+        """Fill the row's first pages from the host tier's prefix cache (blocking) and
+        return how many prompt tokens they hold (page-aligned; 0 on a miss or a failed
+        copy); the transfer carries only the rest.
+
+        Raises:
+            TimeoutError: the copy did not end within the lease; the caller frees the row
+                (the load's pins keep the pages out of reuse until the copy ends).
+        """
+        if self.conn is None:
+            return 0
+        handle = self.conn.prepare_load(item.kv, item.prompt)
+        if handle is None:
+            return 0
+        try:
+            if not self.conn.complete_load(handle, self.config.lease_s):
+                raise TimeoutError(f"{item.rid}: prefix load not done in "
+                                   f"{self.config.lease_s} s")
+        except RuntimeError as exc:  # the copy failed and ended: receive everything
+            logger.warning("%s: %s prefix load failed (%s); receiving it all", self.name,
+                           item.rid, exc)
+            return 0
+        return handle.num_tokens
 
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
@@ -141,15 +167,23 @@ class DecodeWorker(WorkerBase):
         self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True,
                    "t_kv_wall": time.time()})
         if not self.batch.add(seq):
-            self._finish(item, seq.output)
+            self._finish(item, seq)
+        elif self.conn is not None:
+            self.conn.track(seq, item.prompt)
 
-    def _finish(self, item: WorkItem, output: list[int]) -> None:
+    def _finish(self, item: WorkItem, seq: DecodeSeq) -> None:
+        """Free the row (or hand it to the host connector while copies are in flight)."""
+        output = seq.output
         stop = item.params.stop_token
         reason = "stop" if stop >= 0 and output and output[-1] == stop else "length"
         self.counts["finished"] += 1
         self.counts["tokens"] += len(output)
         item.state = ReqState.FINISHED
-        self.admission.release(item, finish_ranges(item.kv, self.cache.page_size), "finished")
+        ranges = finish_ranges(item.kv, self.cache.page_size)
+        if self.conn is not None and self.conn.request_finished(seq, ranges):
+            self.admission.forget(item)  # the connector frees it in reap()
+        else:
+            self.admission.release(item, ranges, "finished")
         self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
         logger.info("%s: %s finished (%s, %d tokens)", self.name, item.rid, reason,
                     len(output))
@@ -168,6 +202,10 @@ class DecodeWorker(WorkerBase):
                                    _free_reason(reason))
         else:
             self.admission.release(item, [], reason)
+        if self.conn is not None:
+            self.conn.request_aborted(item.rid)
+        if hasattr(self.step, "forget"):
+            self.step.forget(item.rid)
         msg = {"t": "done", "rid": item.rid, "reason": reason}
         if detail:
             msg["error"] = detail
@@ -187,14 +225,22 @@ class DecodeWorker(WorkerBase):
                 "free_tokens": self.admission.num_free_tokens}
 
     def stats(self) -> dict:
+        host = {} if self.conn is None else {
+            "offloaded_pages": self.off.num_offloaded_pages,
+            "prefix_hit_pages": self.conn.num_prefix_hit_pages,
+            "retracted": self.conn.num_retracted}
         return {**self.counts, "steps": self.batch.num_steps,
-                "bytes_recv": int(self.rx.stats["bytes_recv"])}
+                "bytes_recv": int(self.rx.stats["bytes_recv"]), **spec_stats(self.step), **host}
 
     def close(self) -> None:
         for item in list(self.admission.admitted.values()) + list(
                 self.admission.queue.values()):
             self._end(item, "aborted", "worker shutting down")
         self.rx.close()
+        if self.conn is not None:  # held rows are freed once every copy ended
+            self.off.wait(None, self.config.lease_s)
+            self.conn.reap()
+        close_offloader(self.off, self.config.lease_s)
         self.cache.check_integrity()
         self.cache.close()
         super().close()

@@ -123,6 +123,22 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="addresses on one machine: ipc (default) or tcp on 127.0.0.1")
     g.add_argument("--debug-integrity", action="store_true", default=None,
                    help="workers run check_integrity() whenever idle")
+    _add_spec_host_flags(p)
+
+
+def _add_spec_host_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding and host tier (docs/host_tier.md)")
+    g.add_argument("--spec-k", type=int, metavar="K",
+                   help="draft tokens per step for greedy requests; 0 turns speculation off "
+                        "(default 3: the tiny model's best decode tokens/s)")
+    g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="offload committed KV to a host tier and reuse cached prompt "
+                        "prefixes on prefill and decode (default on)")
+    g.add_argument("--host-pages", type=int, metavar="N",
+                   help="pages of each worker's host tier (default 4096)")
+    g.add_argument("--overcommit", action="store_true", default=None,
+                   help="decode admits on prompt pages alone and retracts the youngest "
+                        "request to the host tier when the pool runs out (needs --offload)")
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:
@@ -136,6 +152,13 @@ def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:
                    help="prompt length range, log-uniform (default 16 256)")
     g.add_argument("--output-len", type=int, nargs=2, default=[8, 48], metavar=("MIN", "MAX"),
                    help="max_new_tokens range, uniform (default 8 48)")
+    g.add_argument("--turns", type=int, default=1, metavar="N",
+                   help="turns per conversation: each turn's prompt extends the previous "
+                        "one (prefix reuse); --requests counts turns (default 1)")
+    g.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="system prompt every conversation begins with (default 0)")
+    g.add_argument("--turn-gap", type=float, default=1.0, metavar="S",
+                   help="seconds between a conversation's turns (default 1.0)")
 
 
 def _add_run(sub) -> None:

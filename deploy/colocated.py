@@ -12,6 +12,8 @@ import logging
 
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from decode_node.host_connector import HostConnector
+from deploy.host_setup import close_offloader, host_salt, make_offloader, make_step, spec_stats
 from deploy.request import ReqState, SamplingParams
 from deploy.wire import unpack_ids
 from deploy.worker_base import WorkerBase
@@ -32,8 +34,12 @@ class ColocatedWorker(WorkerBase):
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages)
         self.admission = Admission(cache, cfg.max_running)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
-                                    with_draft=cfg.draft_kv)
-        self.batch = DecodeBatch(self.runner)
+                                    with_draft=cfg.with_draft)
+        self.off = make_offloader(cfg, cache, device, log_dir, name)
+        self.conn = HostConnector(self.off, host_salt(cfg, cache)) if self.off else None
+        self.step = make_step(cfg)
+        self.batch = DecodeBatch(self.runner, self.step,
+                                 on_commit=self.conn.on_commit if self.conn else None)
         self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
         self.report_ready()
 
@@ -56,9 +62,13 @@ class ColocatedWorker(WorkerBase):
 
     def tick(self) -> bool:
         busy = False
+        if self.conn is not None:
+            self.conn.reap()
         while (item := self.admission.admit_next()) is not None:
             item.state = ReqState.PREFILLING
-            self.engine.add(PrefillTask(item.rid, item.prompt, item.params, item.kv))
+            start = self._load_prefix(item)
+            self.engine.add(PrefillTask(item.rid, item.prompt, item.params, item.kv,
+                                        done=start))
             busy = True
         if self.engine.has_work:
             _, finished = self.engine.step()
@@ -71,23 +81,40 @@ class ColocatedWorker(WorkerBase):
                 if toks:
                     self.send({"t": "tokens", "rid": seq.rid, "ids": toks})
             for seq in finished:
-                self._finish(self.admission.admitted[seq.rid], seq.output)
+                self._finish(self.admission.admitted[seq.rid], seq)
             busy = True
         return busy
+
+    def _load_prefix(self, item: WorkItem) -> int:
+        """Load and commit the prompt's cached prefix (blocking); the prefill start."""
+        handle = self.conn.prepare_load(item.kv, item.prompt) if self.conn else None
+        if handle is None:
+            return 0
+        if not self.conn.complete_load(handle, self.config.lease_s):
+            raise TimeoutError(f"{item.rid}: prefix load not done in {self.config.lease_s} s")
+        self.cache.commit(item.kv, handle.num_tokens)
+        return handle.num_tokens
 
     def _start_decoding(self, item: WorkItem, first_token: int) -> None:
         item.state = ReqState.DECODING
         seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token])
         self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True})
         if not self.batch.add(seq):
-            self._finish(item, seq.output)
+            self._finish(item, seq)
+        elif self.conn is not None:
+            self.conn.track(seq, item.prompt)
 
-    def _finish(self, item: WorkItem, output: list[int]) -> None:
+    def _finish(self, item: WorkItem, seq: DecodeSeq) -> None:
+        output = seq.output
         stop = item.params.stop_token
         reason = "stop" if stop >= 0 and output and output[-1] == stop else "length"
         self.counts["finished"] += 1
         self.counts["tokens"] += len(output)
-        self.admission.release(item, finish_ranges(item.kv, self.cache.page_size), "finished")
+        ranges = finish_ranges(item.kv, self.cache.page_size)
+        if self.conn is not None and self.conn.request_finished(seq, ranges):
+            self.admission.forget(item)  # the connector frees it in reap()
+        else:
+            self.admission.release(item, ranges, "finished")
         self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
 
     def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
@@ -98,6 +125,10 @@ class ColocatedWorker(WorkerBase):
         self.counts["aborted"] += 1
         ranges = finish_ranges(item.kv, self.cache.page_size) if item.kv is not None else []
         self.admission.release(item, ranges, "aborted")
+        if self.conn is not None:
+            self.conn.request_aborted(item.rid)
+        if hasattr(self.step, "forget"):
+            self.step.forget(item.rid)
         msg = {"t": "done", "rid": item.rid, "reason": reason}
         if detail:
             msg["error"] = detail
@@ -109,13 +140,22 @@ class ColocatedWorker(WorkerBase):
                 "free_tokens": self.admission.num_free_tokens}
 
     def stats(self) -> dict:
+        host = {} if self.conn is None else {
+            "offloaded_pages": self.off.num_offloaded_pages,
+            "prefix_hit_pages": self.conn.num_prefix_hit_pages,
+            "retracted": self.conn.num_retracted}
         return {**self.counts, "steps": self.batch.num_steps,
-                "tokens_computed": self.engine.num_tokens_computed}
+                "tokens_computed": self.engine.num_tokens_computed,
+                **spec_stats(self.step), **host}
 
     def close(self) -> None:
         for item in list(self.admission.admitted.values()) + list(
                 self.admission.queue.values()):
             self._end(item, "aborted", "worker shutting down")
+        if self.conn is not None:  # held rows are freed once every copy ended
+            self.off.wait(None, self.config.lease_s)
+            self.conn.reap()
+        close_offloader(self.off, self.config.lease_s)
         self.cache.check_integrity()
         self.cache.close()
         super().close()

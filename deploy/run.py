@@ -29,12 +29,15 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=args.model, dtype=args.dtype, page_size=args.page_size,
         prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
-        debug_integrity=args.debug_integrity)
+        debug_integrity=args.debug_integrity, spec_k=args.spec_k, offload=args.offload,
+        host_pages=args.host_pages, overcommit=args.overcommit)
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(requests=args.requests, seed=args.seed, rate=args.rate,
-                        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len))
+                        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
+                        turns=args.turns, shared_prefix=args.shared_prefix,
+                        turn_gap_s=args.turn_gap)
 
 
 def serve_workload(cluster: Cluster, spec: WorkloadSpec, progress: bool = False,

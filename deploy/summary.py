@@ -45,6 +45,23 @@ def summarize(results: dict[str, Result], stats: dict, wall_s: float,
         "kv_gb_per_s": kv_bytes / busy / 1e9 if busy > 0 else 0.0,
         "goodput_rps": len(good) / wall_s if wall_s > 0 else 0.0,
         "ttft_target_s": ttft_target, "tpot_target_s": tpot_target,
+        **spec_and_host(stats),
+    }
+
+
+def spec_and_host(stats: dict) -> dict:
+    """Speculation and host-tier figures summed over the workers' final stats."""
+    def total(key: str, role: str | None = None) -> int:
+        return sum(int(s.get(key, 0)) for s in stats.values()
+                   if role is None or s.get("role") == role)
+    proposed, seq_steps = total("spec_proposed"), total("spec_seq_steps")
+    return {
+        "acceptance_rate": total("spec_accepted") / proposed if proposed else 0.0,
+        "mean_accepted_len": total("spec_emitted") / seq_steps if seq_steps else 0.0,
+        "offloaded_pages": total("offloaded_pages"),
+        "prefix_hit_pages": total("prefix_hit_pages"),
+        "prefix_hit_pages_prefill": total("prefix_hit_pages", "prefill"),
+        "retracted": total("retracted"),
     }
 
 
@@ -63,4 +80,9 @@ def format_summary(s: dict, mode: str, layout: str) -> str:
                      f"{s['kv_transfer_share_of_ttft_p50']:.1%} of TTFT")
     else:
         lines.append("  KV moved      0 B (colocated: no transfer)")
+    lines.append(f"  speculation   acceptance {s['acceptance_rate']:.2f}, mean accepted "
+                 f"length {s['mean_accepted_len']:.2f} tokens/step")
+    lines.append(f"  host tier     {s['offloaded_pages']} pages offloaded, "
+                 f"{s['prefix_hit_pages']} prefix-hit pages "
+                 f"({s['prefix_hit_pages_prefill']} at prefill), {s['retracted']} retracted")
     return "\n".join(lines)

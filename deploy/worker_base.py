@@ -87,7 +87,7 @@ class WorkerBase(ABC):
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             log = str(Path(self.log_dir) / f"{self.name}.freelog")
         cache = KvCache(num_pages, self.config.page_size, layout=mcfg.kv_layout(
-            with_draft=self.config.draft_kv), device=self.device, log_path=log,
+            with_draft=self.config.with_draft), device=self.device, log_path=log,
             node=self.name, max_rows=self.config.max_rows,
             shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache

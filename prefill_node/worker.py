@@ -22,10 +22,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from common.ranges import ceil_div
+from deploy.host_setup import close_offloader, host_salt, make_offloader
 from deploy.request import ReqState, SamplingParams
 from deploy.wire import unpack_ids
 from deploy.worker_base import WorkerBase
 from prefill_node.engine import PrefillEngine, PrefillTask
+from prefill_node.prefix_reuse import PrefixReuse
 from transport import EventKind, KvSender, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,9 @@ class PrefillWorker(WorkerBase):
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.prefill_pages)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
-                                    with_draft=cfg.draft_kv)
+                                    with_draft=cfg.with_draft)
+        self.off = make_offloader(cfg, cache, device, log_dir, name)
+        self.reuse = PrefixReuse(self.off, host_salt(cfg, cache)) if self.off else None
         self.sender = KvSender(cache, kv_bind, TransportConfig(
             node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
@@ -104,6 +108,8 @@ class PrefillWorker(WorkerBase):
     def tick(self) -> bool:
         for ev in self.sender.poll(0):
             self._on_event(ev)
+        if self.reuse is not None:
+            self.reuse.poll()
         admitted = self._admit()
         if not self.engine.has_work:
             return admitted
@@ -141,9 +147,12 @@ class PrefillWorker(WorkerBase):
         return any_admitted
 
     def load_cached_prefix(self, req: PrefillReq, kv) -> int:
-        """Prefix-reuse seam: load KV of the prompt's cached prefix into ``kv`` (committing
-        it) and return its length; the engine computes only the rest. None here: 0."""
-        return 0
+        """Load KV of the prompt's cached prefix (target and draft layers) from the host
+        tier into ``kv``, committing it, and return its length (0 on a miss); the engine
+        computes only the rest."""
+        if self.reuse is None:
+            return 0
+        return self.reuse.load(kv, req.prompt, self.config.lease_s)
 
     def _on_event(self, ev) -> None:
         if ev.kind == EventKind.READY:
@@ -176,6 +185,8 @@ class PrefillWorker(WorkerBase):
         self.engine.remove(req.rid)
         if req.task is not None:
             kv = req.task.kv
+            if reason == "sent" and self.reuse is not None:
+                self.reuse.offload_sent(kv, req.prompt)  # pins what it copies: free follows
             self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=_free_reason(reason))
             self.cache.close_row(kv)
         kind = "sent" if reason == "sent" else ("aborted" if reason == "aborted" else "failed")
@@ -210,13 +221,17 @@ class PrefillWorker(WorkerBase):
     def stats(self) -> dict:
         return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),
                 "stream_busy_s": _union_length(self.windows),
-                "tokens_computed": self.engine.num_tokens_computed}
+                "tokens_computed": self.engine.num_tokens_computed,
+                **({} if self.reuse is None else {
+                    "prefix_hit_pages": self.reuse.num_hit_pages,
+                    "offloaded_pages": self.off.num_offloaded_pages})}
 
     def close(self) -> None:
         for req in list(self.reqs.values()):
             self.sender.abort(req.rid, detail="worker shutting down")
             self._end(req, "aborted", "worker shutting down")
         self.sender.close()
+        close_offloader(self.off, self.config.lease_s)
         self.cache.check_integrity()
         self.cache.close()
         super().close()

@@ -1,0 +1,87 @@
+"""Building a worker's host tier and speculative step from the serving config.
+
+Shared by the prefill, decode and colocated workers so that every worker keys its prefix
+cache the same way (``host_salt``) and writes its host pool's free log next to the
+device pool's (``<log_dir>/<name>.host.freelog``, replayed by ``pdkv run``).
+
+Who frees what: the returned ``Offloader`` never frees device pages (the worker does);
+its host pages belong to the prefix cache. The worker calls ``close_offloader`` at
+shutdown, after its rows are freed and before it closes its device pool, so copies in
+flight end (pins drop) before either free log is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from common.config import ServeConfig
+from common.host_tier import CopyEngine, HostTier, copy_pages
+from common.kv_cache import KvCache
+from common.offload import Offloader
+from decode_node.batch import StepFn, greedy_step
+from decode_node.speculative import MixedStep
+
+logger = logging.getLogger(__name__)
+
+
+def host_salt(cfg: ServeConfig, cache: KvCache) -> bytes:
+    """Mixed into every hash chain: the model, its dtype and the KV layout, so a host
+    tier never matches KV of another model or layout."""
+    return f"{cfg.model}|{cfg.dtype}|{cache.layout}".encode()
+
+
+def make_offloader(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | None,
+                   name: str) -> Offloader | None:
+    """The worker's host tier and offloader, or None when ``cfg.offload`` is off."""
+    if not cfg.offload:
+        return None
+    log = str(Path(log_dir) / f"{name}.host.freelog") if log_dir else None
+    host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
+                    log_path=log, node=name)
+    engine = _SlowCopyEngine(device, cfg.debug_copy_delay_s) if cfg.debug_copy_delay_s \
+        else None
+    return Offloader(cache, host, engine=engine)
+
+
+def close_offloader(off: Offloader | None, timeout_s: float) -> None:
+    """Wait for copies in flight (their pins), stop the copy engine, close the host log."""
+    if off is None:
+        return
+    if not off.close(timeout_s):
+        logger.error("host copies still running after %.1f s at shutdown", timeout_s)
+    off.host.close()
+
+
+def make_step(cfg: ServeConfig) -> StepFn:
+    """``MixedStep(spec_k)`` when speculation is on, else ``greedy_step``."""
+    return MixedStep(cfg.spec_k) if cfg.spec_k else greedy_step
+
+
+def spec_stats(step: StepFn) -> dict:
+    """Speculation counters of ``step`` for a worker's stats (empty without speculation)."""
+    st = getattr(step, "stats", None)
+    if st is None:
+        return {}
+    return {"spec_proposed": st.num_proposed, "spec_accepted": st.num_accepted,
+            "spec_emitted": st.num_emitted, "spec_seq_steps": st.num_seq_steps}
+
+
+class _SlowCopyEngine(CopyEngine):
+    """``CopyEngine`` whose CPU copies each start ``delay_s`` late (tests only)."""
+
+    def __init__(self, device: str, delay_s: float) -> None:
+        self.delay_s = delay_s
+        super().__init__(device)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job, src, src_pages, dst, dst_pages = item
+            time.sleep(self.delay_s)
+            try:
+                copy_pages(src, src_pages, dst, dst_pages)
+            except BaseException as exc:  # reported to the job's owner
+                job.set_done(exc)
+            else:
+                job.set_done()

@@ -1,0 +1,104 @@
+"""End to end with speculative decoding, host-tier offload and prefix reuse.
+
+Real router and worker processes, float64 on CPU: whatever the draft proposes, whatever
+is offloaded or loaded from a host tier, the tokens must equal the single-process greedy
+reference, and every free log (device pools and host tiers) must replay clean.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.config import ServeConfig
+from common.model import Model
+from common.reference import generate_greedy
+from common.replay import replay_file
+from deploy.driver import drive
+from deploy.launcher import Cluster
+from deploy.run import serve_workload
+from deploy.workload import WorkloadSpec, make_workload
+
+pytestmark = pytest.mark.timeout(180)
+
+CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=160, decode_pages=200,
+                  chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
+                  host_pages=400, debug_integrity=True)
+CHAT = WorkloadSpec(requests=9, seed=7, rate=40.0, prompt_len=(1, 30), output_len=(1, 12),
+                    turns=3, shared_prefix=26, turn_gap_s=0.4)
+
+
+def _reference(cfg: ServeConfig, spec: WorkloadSpec) -> dict[str, list[int]]:
+    model = Model(cfg.model_config())
+    return {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens,
+                                   page_size=cfg.page_size)[0]
+            for r in make_workload(spec, cfg.model_config().vocab_size)}
+
+
+@pytest.fixture(scope="module")
+def chat_reference() -> dict[str, list[int]]:
+    return _reference(CFG, CHAT)
+
+
+def _assert_all_logs_clean(cluster: Cluster, expect: int) -> None:
+    logs = cluster.freelogs()
+    assert len(logs) == expect, logs
+    for log in logs:
+        report = replay_file(log)
+        assert report.ok, report.format()
+        assert not report.warnings, report.warnings
+
+
+@pytest.mark.parametrize("mode, spec_k, offload", [
+    ("disagg", 1, False), ("disagg", 2, True), ("disagg", 4, True), ("disagg", 0, True),
+    ("colocated", 3, True), ("colocated", 0, False)])
+def test_multi_turn_outputs_equal_the_reference(tmp_path, chat_reference, mode, spec_k,
+                                                offload):
+    cfg = CFG.with_overrides(spec_k=spec_k, offload=offload)
+    workers = 2 if mode == "disagg" else 1
+    cluster = Cluster(cfg, mode, workers - 1, 1, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, CHAT)
+    assert {rid: r.output_ids for rid, r in results.items()} == chat_reference
+    totals = {k: sum(s.get(k, 0) for s in stats.values())
+              for k in ("spec_proposed", "offloaded_pages", "prefix_hit_pages")}
+    assert (totals["spec_proposed"] > 0) == (spec_k > 0), totals
+    assert (totals["offloaded_pages"] > 0) == offload, totals
+    assert (totals["prefix_hit_pages"] > 0) == offload, totals  # later turns hit
+    _assert_all_logs_clean(cluster, workers * (2 if offload else 1))
+
+
+def test_speculation_at_page_size_16_with_max_new_tokens_mid_speculation(tmp_path):
+    cfg = CFG.with_overrides(page_size=16, prefill_pages=48, decode_pages=64, host_pages=64,
+                             spec_k=4)
+    spec = WorkloadSpec(requests=6, seed=2, rate=0.0, prompt_len=(5, 60), output_len=(2, 9))
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    results, _, _ = serve_workload(cluster, spec)
+    assert {rid: r.output_ids for rid, r in results.items()} == _reference(cfg, spec)
+    assert all(len(r.output_ids) == r.max_new_tokens for r in results.values())
+    _assert_all_logs_clean(cluster, 4)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_aborts_while_host_copies_are_in_flight_leak_nothing(tmp_path, mode):
+    # Every host copy starts 30 ms late, so aborts during decode land on rows with
+    # offloads in flight; finished rows wait for their copies before they are freed.
+    cfg = CFG.with_overrides(debug_copy_delay_s=0.03, spec_k=2)
+    spec = WorkloadSpec(requests=12, seed=5, rate=0.0, prompt_len=(20, 90),
+                        output_len=(10, 30), turns=2, shared_prefix=16, turn_gap_s=0.3)
+    reqs = make_workload(spec, cfg.model_config().vocab_size)
+    rng = random.Random(3)
+    after = {r.rid: rng.randint(1, 8) for r in reqs if rng.random() < 0.5}
+    workers = 2 if mode == "disagg" else 1
+    cluster = Cluster(cfg, mode, workers - 1, 1, log_dir=str(tmp_path)).start()
+    results = drive(cluster.client, reqs, abort_after_tokens=after, check=cluster.check,
+                    timeout_s=120)
+    cluster.stop()
+    cluster.check_exit_codes()
+    assert sum(r.reason == "aborted" for r in results.values()) >= 3
+    ref = _reference(cfg, spec)
+    for rid, r in results.items():
+        assert r.reason in ("length", "aborted"), (rid, r.reason, r.error)
+        if r.reason == "length":
+            assert r.output_ids == ref[rid]
+    _assert_all_logs_clean(cluster, workers * 2)
