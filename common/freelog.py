@@ -21,9 +21,14 @@ FLUSH_INTERVAL_S = 0.1
 _FLUSH_BYTES = 1 << 20
 
 
+_INT32_LE = np.dtype("<i4")
+
+
 def pages_to_bytes(pages: np.ndarray | Sequence[int]) -> bytes:
     """Page ids as the log stores them: little-endian int32."""
-    return np.asarray(pages, dtype="<i4").tobytes()
+    if isinstance(pages, np.ndarray) and pages.dtype == _INT32_LE:
+        return pages.tobytes()  # the allocator's arrays: skip the conversion
+    return np.asarray(pages, dtype=_INT32_LE).tobytes()
 
 
 class FreeLogWriter:
@@ -62,32 +67,37 @@ class FreeLogWriter:
 
     # -- events -------------------------------------------------------------------------
     def alloc(self, pool: str, pages: np.ndarray, owner: str) -> None:
-        self._event("alloc", pool, pages, owner=owner)
+        self._append({"op": "alloc", "pool": pool, "pages": pages_to_bytes(pages),
+                      "owner": owner})
 
     def free(self, pool: str, pages: np.ndarray, owner: str, reason: str,
              ranges: Iterable[tuple[int, int]] | None = None) -> None:
-        extra = {"owner": owner, "reason": reason}
+        event = {"op": "free", "pool": pool, "pages": pages_to_bytes(pages), "owner": owner,
+                 "reason": reason}
         if ranges is not None:
-            extra["ranges"] = [[int(s), int(e)] for s, e in ranges]
-        self._event("free", pool, pages, **extra)
+            event["ranges"] = [[int(s), int(e)] for s, e in ranges]
+        self._append(event)
 
     def pin(self, pool: str, pages: np.ndarray, pin_id: int, reason: str) -> None:
-        self._event("pin", pool, pages, pin=pin_id, reason=reason)
+        self._append({"op": "pin", "pool": pool, "pages": pages_to_bytes(pages),
+                      "pin": pin_id, "reason": reason})
 
     def unpin(self, pool: str, pages: np.ndarray, pin_id: int) -> None:
-        self._event("unpin", pool, pages, pin=pin_id)
+        self._append({"op": "unpin", "pool": pool, "pages": pages_to_bytes(pages),
+                      "pin": pin_id})
 
     def release(self, pool: str, pages: np.ndarray) -> None:
-        self._event("release", pool, pages)
+        self._append({"op": "release", "pool": pool, "pages": pages_to_bytes(pages)})
 
     def handoff(self, pool: str, pages: np.ndarray, owner: str, to: str) -> None:
-        self._event("handoff", pool, pages, owner=owner, to=to)
+        self._append({"op": "handoff", "pool": pool, "pages": pages_to_bytes(pages),
+                      "owner": owner, "to": to})
 
     def close(self, retained: Sequence[str] = ()) -> None:
         """Write the ``close`` event, flush and close the file. Idempotent."""
         if self._closed:
             return
-        self._event("close", "", (), retained=list(retained))
+        self._append({"op": "close", "pool": "", "pages": b"", "retained": list(retained)})
         self._stop.set()
         self._flusher.join()
         with self._lock:
@@ -96,12 +106,14 @@ class FreeLogWriter:
             self._file.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _event(self, op: str, pool: str, pages, **extra) -> None:
+    def _append(self, event: dict) -> None:
+        """Number, stamp and buffer one event (the map's key order does not matter)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"free log {self.path} is closed; cannot record {op!r}")
-            event = {"seq": self._seq, "t_ns": time.monotonic_ns() - self._t0, "op": op,
-                     "pool": pool, "pages": pages_to_bytes(pages), **extra}
+                raise RuntimeError(f"free log {self.path} is closed; cannot record "
+                                   f"{event['op']!r}")
+            event["seq"] = self._seq
+            event["t_ns"] = time.monotonic_ns() - self._t0
             self._seq += 1
             self._buffer += self._packer.pack(event)
             if len(self._buffer) >= _FLUSH_BYTES:
