@@ -42,10 +42,12 @@ class Admission:
     Args:
         cache: the worker's pool.
         max_running: requests admitted at once (rows held).
+        whole_life: reserve each request's whole life (default); False reserves only its
+            prompt and first decode slot (overcommit: the worker retracts under pressure).
     """
 
-    def __init__(self, cache: KvCache, max_running: int) -> None:
-        self.cache, self.max_running = cache, max_running
+    def __init__(self, cache: KvCache, max_running: int, whole_life: bool = True) -> None:
+        self.cache, self.max_running, self.whole_life = cache, max_running, whole_life
         self.queue: OrderedDict[str, WorkItem] = OrderedDict()
         self.admitted: dict[str, WorkItem] = {}
 
@@ -53,7 +55,9 @@ class Admission:
         self.queue[item.rid] = item
 
     def _outstanding(self) -> int:
-        """Pages admitted requests may still allocate."""
+        """Pages admitted requests may still allocate (0 when overcommitting)."""
+        if not self.whole_life:
+            return 0
         ps = self.cache.page_size
         return sum(ceil_div(it.max_len, ps) - ceil_div(it.kv.allocated_len, ps)
                    for it in self.admitted.values() if it.kv is not None)
@@ -61,7 +65,9 @@ class Admission:
     def can_admit(self, item: WorkItem) -> bool:
         if len(self.admitted) >= self.max_running:
             return False
-        need = ceil_div(item.max_len, self.cache.page_size)
+        # overcommit: the prompt and the first decode slot; growth may retract later
+        life = item.max_len if self.whole_life else min(item.max_len, len(item.prompt) + 1)
+        need = ceil_div(life, self.cache.page_size)
         return self.cache.num_free_pages() - self._outstanding() >= need
 
     def admit_next(self) -> WorkItem | None:

@@ -240,6 +240,11 @@ class HostConnector:
         self.track(seq, r.prompt)
         return seq
 
+    def discard(self, r: Retracted) -> None:
+        """Drop a retracted sequence that will not resume (abort): unreference its chain,
+        so eviction may take its host pages. It holds no device row."""
+        self.off.prefix.unref(r.ref_key)
+
     def _load_committed(self, kv: KvRecord, tokens: list[int], timeout: float | None) -> int:
         handle = self.off.prepare_load(kv, self.chain_of(tokens))
         if handle is None:

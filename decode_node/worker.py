@@ -26,6 +26,7 @@ import time
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.host_connector import HostConnector
+from decode_node.pressure import Retractor
 from deploy.host_setup import close_offloader, host_salt, make_offloader, make_step, spec_stats
 from deploy.request import BadRequest, ReqState, SamplingParams
 from deploy.wire import unpack_ids
@@ -45,12 +46,14 @@ class DecodeWorker(WorkerBase):
         super().__init__(name, router, device, log_dir)
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
-        self.admission = Admission(cache, cfg.max_running)
+        self.admission = Admission(cache, cfg.max_running, whole_life=not cfg.overcommit)
         self.off = make_offloader(cfg, cache, device, log_dir, name)
         self.conn = HostConnector(self.off, host_salt(cfg, cache)) if self.off else None
         self.step = make_step(cfg)
         self.batch = DecodeBatch(self.runner, self.step,
                                  on_commit=self.conn.on_commit if self.conn else None)
+        self.retractor = Retractor(self.conn, self.batch, cfg.spec_k) \
+            if cfg.overcommit else None
         self.rx = KvReceiver(cache, TransportConfig(
             node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
@@ -88,7 +91,10 @@ class DecodeWorker(WorkerBase):
             self._on_event(ev)
         if self.conn is not None:
             self.conn.reap()
-        admitted = self._admit()
+        waiting = self._resume()
+        admitted = False if waiting else self._admit()  # retracted requests go first
+        if len(self.batch):
+            self._relieve()
         if not len(self.batch):
             return admitted
         emitted, finished = self.batch.step()
@@ -116,6 +122,32 @@ class DecodeWorker(WorkerBase):
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
                         item.rid, len(item.prompt), item.prefill)
         return any_admitted
+
+    # -- overcommit: retraction under pressure (decode_node/pressure.py) -----------------
+    def _max_len(self, rid: str) -> int:
+        return self.admission.admitted[rid].max_len
+
+    def _relieve(self) -> None:
+        """Retract the youngest running requests until the next step fits the pool."""
+        if self.retractor is None:
+            return
+        for rid in self.retractor.relieve(self._max_len):
+            self.admission.admitted[rid].kv = None  # row freed (offloaded)
+            if hasattr(self.step, "forget"):
+                self.step.forget(rid)
+
+    def _resume(self) -> bool:
+        """Bring retracted requests back; True while any is still waiting (then new
+        requests are not admitted)."""
+        if self.retractor is None or not self.retractor.waiting:
+            return False
+        seqs, failed = self.retractor.resume(self.runner, self.config.lease_s, self._max_len)
+        for seq in seqs:
+            self.admission.admitted[seq.rid].kv = seq.kv
+            self.batch.add(seq)
+        for rid in failed:
+            self._end(self.admission.admitted[rid], "error", "resume from host tier failed")
+        return bool(self.retractor.waiting)
 
     def load_cached_prefix(self, item: WorkItem) -> int:
         """Fill the row's first pages from the host tier's prefix cache (blocking) and
@@ -204,6 +236,8 @@ class DecodeWorker(WorkerBase):
             self.admission.release(item, [], reason)
         if self.conn is not None:
             self.conn.request_aborted(item.rid)
+        if self.retractor is not None:
+            self.retractor.discard(item.rid)
         if hasattr(self.step, "forget"):
             self.step.forget(item.rid)
         msg = {"t": "done", "rid": item.rid, "reason": reason}

@@ -102,3 +102,17 @@ def test_aborts_while_host_copies_are_in_flight_leak_nothing(tmp_path, mode):
         if r.reason == "length":
             assert r.output_ids == ref[rid]
     _assert_all_logs_clean(cluster, workers * 2)
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+def test_retraction_under_pressure_gives_identical_tokens(tmp_path, spec_k):
+    # Overcommitted admission on a 59-page decode pool: running requests outgrow it, the
+    # youngest are retracted to the host tier and resumed when pages come back.
+    cfg = CFG.with_overrides(decode_pages=60, overcommit=True, spec_k=spec_k)
+    spec = WorkloadSpec(requests=10, seed=0, rate=0.0, prompt_len=(20, 60),
+                        output_len=(30, 60))
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, spec)
+    assert {rid: r.output_ids for rid, r in results.items()} == _reference(cfg, spec)
+    assert sum(s.get("retracted", 0) for s in stats.values()) >= 2, stats
+    _assert_all_logs_clean(cluster, 4)
