@@ -86,6 +86,8 @@ def bench_decode(model: Model, args: argparse.Namespace) -> dict:
     return {"k": args.k, "batch": args.batch, "context": args.context, "gen": args.gen,
             "baseline_tokens_per_s": base_tps, "speculative_tokens_per_s": spec_tps,
             "speedup": spec_tps / base_tps, "acceptance_rate": stats.acceptance_rate,
+            "baseline_s": sorted(base), "speculative_s": sorted(spec),
+            "speedup_per_repeat": sorted(b / t for b, t in zip(base, spec)),
             "mean_accepted_len": stats.mean_accepted_len, "token_agreement": agree}
 
 
@@ -109,6 +111,7 @@ def bench_ttft(model: Model, args: argparse.Namespace) -> dict:
     return {"prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk,
             "ttft_full_s": _median(cold), "ttft_prefix_reuse_s": _median(warm),
             "speedup": _median(cold) / _median(warm),
+            "ttft_full_all_s": sorted(cold), "ttft_prefix_reuse_all_s": sorted(warm),
             "prefix_hit_pages": reuse.num_hit_pages}
 
 

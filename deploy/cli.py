@@ -71,6 +71,28 @@ def _add_bench(sub) -> None:
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
     _add_bench_serve(bench)
+    _add_bench_spec(bench)
+
+
+def _add_bench_spec(bench) -> None:
+    p = bench.add_parser("spec", help="speculation, prefix reuse and host offload vs baselines",
+                         description="Decode tokens/s with and without speculation; follow-up "
+                                     "TTFT with and without prefix reuse (in process and "
+                                     "through a real 1P1D deployment); host offload GB/s vs a "
+                                     "plain copy. Medians and per-repeat spreads.")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
+    p.add_argument("--repeat", type=int, default=5, help="runs per figure (default 5)")
+    p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per served worker")
+    p.add_argument("--quick", action="store_true", help="small sizes")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=_run_bench_spec)
+
+
+def _run_bench_spec(args: argparse.Namespace) -> int:
+    from benchmarks.spec_suite import main as spec_main
+
+    return spec_main(args)
 
 
 def _add_bench_allocator(bench) -> None:

@@ -1,0 +1,63 @@
+"""``pdkv bench spec``: issue 5's three figures in one run, each against its baseline.
+
+1. decode tokens/s with and without speculation (``benchmarks.speculative``, same
+   prompts, default draft and ``--k``), medians and per-repeat spreads;
+2. follow-up TTFT with prefix reuse against without for a ``--prefix``-token shared
+   prefix: in-process (``benchmarks.speculative``) and through real workers (a 1P1D
+   deployment serving a multi-turn workload with ``--offload`` and ``--no-offload``;
+   follow-up turns only);
+3. host offload GB/s against a plain copy of the same bytes (``benchmarks.offload``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from benchmarks import offload, speculative
+from common.config import ServeConfig
+from deploy.launcher import Cluster
+from deploy.run import serve_workload
+from deploy.summary import pct
+from deploy.workload import WorkloadSpec
+
+
+def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: int) -> dict:
+    """TTFT of follow-up turns through a real 1P1D deployment."""
+    cfg = ServeConfig(offload=offload_on, prefill_pages=1024, decode_pages=1024,
+                      host_pages=1024, chunk_size=512, max_prefill_tokens=1024)
+    spec = WorkloadSpec(requests=convs * turns, seed=0, rate=1.0, prompt_len=(32, 64),
+                        output_len=(4, 8), turns=turns, shared_prefix=prefix,
+                        turn_gap_s=1.0)
+    cluster = Cluster(cfg, "disagg", 1, 1, threads=threads).start()
+    results, stats, _ = serve_workload(cluster, spec)
+    cluster.cleanup()
+    follow = [r.ttft_s for rid, r in results.items() if not rid.endswith("-t0") and r.ok]
+    return {"offload": offload_on, "followups": len(follow),
+            "ttft_p50_ms": pct(follow, 50) * 1e3, "ttft_min_ms": min(follow) * 1e3,
+            "ttft_max_ms": max(follow) * 1e3,
+            "prefix_hit_pages": sum(s.get("prefix_hit_pages", 0) for s in stats.values())}
+
+
+def main(args: argparse.Namespace) -> int:
+    argv = ["--k", str(args.k), "--repeat", str(args.repeat), "--prefix", str(args.prefix)]
+    if args.quick:
+        argv.append("--quick")
+    spec = speculative.main([*argv, "--json"] if args.json else argv)
+    served = [served_ttft(args.prefix, 3, 2 if args.quick else 4, on, args.threads)
+              for on in (False, True)]
+    result = {"speculative": spec, "served_ttft": served,
+              "served_ttft_speedup": served[0]["ttft_p50_ms"] / served[1]["ttft_p50_ms"],
+              "offload": offload.run(args.quick, None, None)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"served follow-up TTFT p50, {args.prefix}-token shared prefix, 1P1D: "
+          f"{served[0]['ttft_p50_ms']:.1f} ms without reuse -> "
+          f"{served[1]['ttft_p50_ms']:.1f} ms with ({result['served_ttft_speedup']:.2f}x; "
+          f"{served[1]['prefix_hit_pages']} prefix-hit pages)")
+    for c in result["offload"]["cases"]:
+        print(f"host offload {c['case']}: {c['offload_gbps']:.2f} GB/s vs plain copy "
+              f"{c['plain_gbps']:.2f} GB/s ({c['offload_vs_plain']:.2f}x; goal >= "
+              f"{offload.GOAL}x)")
+    return 0
