@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 
 from benchmarks import offload, speculative
@@ -43,7 +45,9 @@ def main(args: argparse.Namespace) -> int:
     argv = ["--k", str(args.k), "--repeat", str(args.repeat), "--prefix", str(args.prefix)]
     if args.quick:
         argv.append("--quick")
-    spec = speculative.main([*argv, "--json"] if args.json else argv)
+    quiet = io.StringIO()  # --json: one object, so the inner printout is dropped
+    with contextlib.redirect_stdout(quiet) if args.json else contextlib.nullcontext():
+        spec = speculative.main(argv)
     served = [served_ttft(args.prefix, 3, 2 if args.quick else 4, on, args.threads)
               for on in (False, True)]
     result = {"speculative": spec, "served_ttft": served,
