@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -112,8 +113,8 @@ class ModelRunner:
     def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
         """Runs the batch; returns logits of each item's last token, [len(batch), vocab]."""
         h, plan = self._hidden(batch, draft)
-        last = torch.tensor(plan.lengths, device=h.device).cumsum(0) - 1
-        return self.model.logits(h[last])
+        last = torch.from_numpy(np.cumsum(plan.lengths) - 1)
+        return self.model.logits(h[self._to_device(last)])
 
     @torch.inference_mode()
     def forward_all(self, batch: list[BatchItem], *, draft: bool = False
@@ -151,77 +152,103 @@ class ModelRunner:
         return out
 
     def _plan(self, batch: list[BatchItem]) -> _Plan:
-        _validate(batch, self.model.config)
-        ids, positions, slots = [], [], []
-        dev = self.model.device
-        for item in batch:
-            ids.append(torch.as_tensor(item.token_ids, dtype=torch.int64).reshape(-1).to(dev))
-            positions.append(torch.arange(item.start, item.end))
-            slots.append(self.cache.slots(item.kv, 0, item.end))  # [end] int64
-        writes = self._rows_of(torch.cat([s[it.start:] for s, it in zip(slots, batch)]))
-        lengths = [it.num_tokens for it in batch]
-        return _Plan(token_ids=torch.cat(ids).to(dev), positions=torch.cat(positions).to(dev),
-                     write_rows=writes.to(dev), groups=self._groups(batch, slots, lengths),
-                     lengths=lengths)
+        """Index tensors of the batch, built with a few numpy ops over all items.
 
-    def _rows_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """Flat-pool rows of the K of layer 0 at the given slots."""
-        return slots // self.page_size * self.page_rows + slots % self.page_size
-
-    def _groups(self, batch: list[BatchItem], slots: list[torch.Tensor], lengths: list[int]
-                ) -> list[_Group]:
-        firsts = [sum(lengths[:i]) for i in range(len(batch))]
-        packed = [i for i, n in enumerate(lengths) if n <= PACK_MAX_QUERY]
-        alone = [[i] for i, n in enumerate(lengths) if n > PACK_MAX_QUERY]
-        members = ([packed] if packed else []) + alone
+        Key and write rows come from each row's page table (``cache.pages``, one entry per
+        page) instead of its slot list (one per position), and no per-item tensors are made.
+        """
         cfg = self.model.config
-        group_size = cfg.num_heads // cfg.num_kv_heads
-        return [_build_group([batch[i] for i in m], [self._rows_of(slots[i]) for i in m],
-                             [firsts[i] for i in m], group_size, self.model.device)
-                for m in members]
+        _validate(batch, cfg)
+        ids = _token_ids(batch)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            bad = next(it for it in batch
+                       if any(not 0 <= int(t) < cfg.vocab_size for t in _as_list(it.token_ids)))
+            raise ValueError(f"row {bad.kv.row}: token ids must be in [0, {cfg.vocab_size})")
+        ps = self.page_size
+        starts = np.fromiter((it.start for it in batch), np.int64, len(batch))
+        lengths = np.fromiter((len(it.token_ids) for it in batch), np.int64, len(batch))
+        ends = starts + lengths
+        # All items' page tables end to end; item b's page i is flat_pages[page_off[b] + i].
+        tables = [self.cache.pages(it.kv, 0, int(e)) for it, e in zip(batch, ends)]
+        page_off = np.zeros(len(batch), np.int64)
+        np.cumsum([len(t) for t in tables[:-1]], out=page_off[1:])
+        page_base = np.concatenate(tables).astype(np.int64) * self.page_rows
+        firsts = np.cumsum(lengths) - lengths
+        total = int(lengths.sum())
+        item_of = np.repeat(np.arange(len(batch)), lengths)
+        positions = np.arange(total) - firsts[item_of] + starts[item_of]
+        write_rows = page_base[page_off[item_of] + positions // ps] + positions % ps
+        cfg_group = cfg.num_heads // cfg.num_kv_heads
+        packed = np.flatnonzero(lengths <= PACK_MAX_QUERY)
+        members = ([packed] if len(packed) else []) + [
+            np.array([i]) for i in np.flatnonzero(lengths > PACK_MAX_QUERY)]
+        groups = [_build_group(starts[m], lengths[m], firsts[m], page_off[m], page_base, ps,
+                               cfg_group, self._to_device) for m in members]
+        return _Plan(token_ids=self._to_device(ids),
+                     positions=self._to_device(torch.from_numpy(positions)),
+                     write_rows=self._to_device(torch.from_numpy(write_rows)), groups=groups,
+                     lengths=lengths.tolist())
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.model.device.type == "cpu" else t.to(self.model.device)
+
+
+def _as_list(token_ids: torch.Tensor | list[int]) -> list[int]:
+    return token_ids if isinstance(token_ids, list) else torch.as_tensor(
+        token_ids).reshape(-1).tolist()
+
+
+def _token_ids(batch: list[BatchItem]) -> torch.Tensor:
+    """All items' token ids end to end, int64 on the host (one tensor for the batch)."""
+    flat: list[int] = []
+    for it in batch:
+        flat.extend(_as_list(it.token_ids))
+    return torch.tensor(flat, dtype=torch.int64)
 
 
 def _validate(batch: list[BatchItem], cfg: ModelConfig) -> None:
+    """Batch shape checks (token id ranges are checked on the concatenated ids)."""
     if not batch:
         raise ValueError("empty batch")
-    rows = [item.kv.row for item in batch]
-    if len(set(rows)) != len(rows):
-        raise ValueError(f"a kv row appears twice in one batch: rows {rows}")
+    rows = {item.kv.row for item in batch}
+    if len(rows) != len(batch):
+        raise ValueError(f"a kv row appears twice in one batch: rows "
+                         f"{[item.kv.row for item in batch]}")
     for item in batch:
-        ids = torch.as_tensor(item.token_ids)
-        if item.num_tokens < 1 or item.start < 0:
+        n = len(item.token_ids)
+        end = item.start + n
+        if n < 1 or item.start < 0:
             raise ValueError(f"row {item.kv.row}: need >= 1 token and start >= 0, got "
-                             f"{item.num_tokens} tokens at start {item.start}")
-        if item.end > item.kv.allocated_len or item.end > cfg.max_position:
-            raise ValueError(f"row {item.kv.row}: positions [{item.start}, {item.end}) pass "
+                             f"{n} tokens at start {item.start}")
+        if end > item.kv.allocated_len or end > cfg.max_position:
+            raise ValueError(f"row {item.kv.row}: positions [{item.start}, {end}) pass "
                              f"allocated_len={item.kv.allocated_len} or "
                              f"max_position={cfg.max_position}; extend the row first")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"row {item.kv.row}: token ids must be in [0, {cfg.vocab_size})")
 
 
-def _build_group(items: list[BatchItem], rows: list[torch.Tensor], firsts: list[int],
-                 group_size: int, device: torch.device) -> _Group:
-    num_q = max(it.num_tokens for it in items)
-    num_k = max(it.end for it in items)
-    q_index = torch.empty(len(items), num_q, dtype=torch.int64)
-    q_pos = torch.empty(len(items), num_q, dtype=torch.int64)
-    key_rows = torch.empty(len(items), num_k, dtype=torch.int64)
-    for b, (it, r, first) in enumerate(zip(items, rows, firsts)):
-        # Padding repeats the item's last token and last slot: real data, masked out.
-        j = torch.arange(num_q).clamp(max=it.num_tokens - 1)
-        q_index[b], q_pos[b] = first + j, it.start + j
-        key_rows[b] = r[torch.arange(num_k).clamp(max=it.end - 1)]
-    q_valid = torch.arange(num_q) < torch.tensor([it.num_tokens for it in items])[:, None]
-    valid_src = q_valid.reshape(-1).nonzero().reshape(-1)
-    k_len = torch.tensor([it.end for it in items])[:, None, None]  # [B, 1, 1]
-    k_pos = torch.arange(num_k)
-    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < k_len)  # [B, num_q, num_k]
+def _build_group(starts: np.ndarray, lengths: np.ndarray, firsts: np.ndarray,
+                 page_off: np.ndarray, page_base: np.ndarray, page_size: int,
+                 group_size: int, to_device) -> _Group:
+    """One attention call over the items given by their starts, lengths, first token
+    index in the batch and page-table offset into ``page_base`` (flat-pool row of each
+    page's K at layer 0), all at once in numpy."""
+    ends = starts + lengths
+    num_b, num_q, num_k = len(starts), int(lengths.max()), int(ends.max())
+    # Padding repeats the item's last token and last slot: real data, masked out.
+    j = np.minimum(np.arange(num_q), lengths[:, None] - 1)  # [B, num_q]
+    q_index, q_pos = firsts[:, None] + j, starts[:, None] + j
+    pos = np.minimum(np.arange(num_k), ends[:, None] - 1)  # [B, num_k]
+    key_rows = page_base[page_off[:, None] + pos // page_size] + pos % page_size
+    valid_src = np.flatnonzero(np.arange(num_q) < lengths[:, None])
+    k_pos = np.arange(num_k)
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ends[:, None, None])  # [B, nq, nk]
     # Query rows are ordered (group member, query) to match _group_attention's reshape.
-    mask = mask[:, None].expand(-1, group_size, -1, -1).reshape(len(items), 1, -1, num_k)
-    return _Group(query_index=q_index.to(device), valid_src=valid_src.to(device),
-                  valid_dest=q_index.reshape(-1)[valid_src].to(device),
-                  key_rows=key_rows.to(device), mask=mask.to(device))
+    mask = np.repeat(mask[:, None], group_size, axis=1).reshape(num_b, 1, -1, num_k)
+    return _Group(query_index=to_device(torch.from_numpy(q_index)),
+                  valid_src=to_device(torch.from_numpy(valid_src)),
+                  valid_dest=to_device(torch.from_numpy(q_index.reshape(-1)[valid_src])),
+                  key_rows=to_device(torch.from_numpy(key_rows)),
+                  mask=to_device(torch.from_numpy(mask)))
 
 
 def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group
