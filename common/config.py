@@ -55,6 +55,11 @@ class ServeConfig:
     """Decode admits a request on its prompt's pages alone instead of its whole life; when
     a running request cannot grow, the youngest is retracted to the host tier and resumed
     when pages come back. Needs ``offload``."""
+    prefix_load_timeout_s: float = 2.0
+    """Longest a worker waits for a prefix load from its host tier. Past it the request
+    gives up the cached prefix (its row is freed with reason ``timeout``; the load's pins
+    keep the pages safe) and computes or receives the whole prompt in a new row. Keep it
+    well under ``lease_s``: the worker's loop waits meanwhile."""
     shared_memory: bool = True
     """Decode pools on CPU live in named shared memory, so a prefill on the same host
     copies pages straight into them (transport protocol v2); elsewhere ZMQ frames."""
@@ -107,6 +112,9 @@ class ServeConfig:
         if self.overcommit and not self.offload:
             raise ValueError("overcommit=True needs offload=True (retraction goes to the "
                              "host tier)")
+        if not 0 < self.prefix_load_timeout_s < self.lease_s:
+            raise ValueError(f"need 0 < prefix_load_timeout_s={self.prefix_load_timeout_s} "
+                             f"< lease_s={self.lease_s}")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
 

@@ -87,6 +87,13 @@ class Admission:
         self.admitted[item.rid] = item
         return item
 
+    def requeue(self, item: WorkItem) -> None:
+        """Put an item that holds no row back at the head of the queue (it keeps its
+        place: it was the head when admitted)."""
+        assert item.kv is None and item.rid not in self.admitted, item.rid
+        self.queue[item.rid] = item
+        self.queue.move_to_end(item.rid, last=False)
+
     def release(self, item: WorkItem, ranges: list[tuple[int, int]], reason: str) -> None:
         """Free the item's row with ``reason`` and forget it (no-op without a row)."""
         self.admitted.pop(item.rid, None)

@@ -161,6 +161,9 @@ def _add_spec_host_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overcommit", action="store_true", default=None,
                    help="decode admits on prompt pages alone and retracts the youngest "
                         "request to the host tier when the pool runs out (needs --offload)")
+    g.add_argument("--prefix-load-timeout-s", type=float, metavar="S",
+                   help="longest wait for a prefix load from the host tier; past it the "
+                        "request is served without the cached prefix (default 2.0)")
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:

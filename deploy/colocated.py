@@ -40,7 +40,8 @@ class ColocatedWorker(WorkerBase):
         self.step = make_step(cfg)
         self.batch = DecodeBatch(self.runner, self.step,
                                  on_commit=self.conn.on_commit if self.conn else None)
-        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0,
+                       "prefix_load_timeouts": 0}
         self.report_ready()
 
     def handle(self, msg: dict) -> None:
@@ -65,11 +66,24 @@ class ColocatedWorker(WorkerBase):
         if self.conn is not None:
             self.conn.reap()
         while (item := self.admission.admit_next()) is not None:
+            busy = True
+            try:
+                start = self._load_prefix(item)
+            except TimeoutError as exc:  # free the row, admit again without reuse
+                logger.warning("%s: %s; computing the whole prompt instead", self.name, exc)
+                self.counts["prefix_load_timeouts"] += 1
+                self.admission.release(item, [(0, item.kv.allocated_len)], "timeout")
+                item.extra["no_reuse"] = True
+                self.admission.requeue(item)
+                continue
+            except Exception as exc:  # contained: this request fails, the worker serves on
+                logger.exception("%s: %s prefix load failed", self.name, item.rid)
+                self._end(item, "error", f"{self.name}: loading the cached prefix failed "
+                          f"({type(exc).__name__}: {exc}); retry the request")
+                continue
             item.state = ReqState.PREFILLING
-            start = self._load_prefix(item)
             self.engine.add(PrefillTask(item.rid, item.prompt, item.params, item.kv,
                                         done=start))
-            busy = True
         if self.engine.has_work:
             _, finished = self.engine.step()
             for task in finished:
@@ -86,12 +100,26 @@ class ColocatedWorker(WorkerBase):
         return busy
 
     def _load_prefix(self, item: WorkItem) -> int:
-        """Load and commit the prompt's cached prefix (blocking); the prefill start."""
-        handle = self.conn.prepare_load(item.kv, item.prompt) if self.conn else None
+        """Load and commit the prompt's cached prefix (blocking); the prefill start (0 on
+        a miss or a failed copy).
+
+        Raises:
+            TimeoutError: not done within ``prefix_load_timeout_s``; the caller frees the
+                row (the load's pins keep its pages safe) and admits it again, no reuse.
+        """
+        if self.conn is None or item.extra.get("no_reuse"):
+            return 0
+        handle = self.conn.prepare_load(item.kv, item.prompt)
         if handle is None:
             return 0
-        if not self.conn.complete_load(handle, self.config.lease_s):
-            raise TimeoutError(f"{item.rid}: prefix load not done in {self.config.lease_s} s")
+        timeout = self.config.prefix_load_timeout_s
+        try:
+            if not self.conn.complete_load(handle, timeout):
+                raise TimeoutError(f"{item.rid}: prefix load not done in {timeout} s")
+        except RuntimeError as exc:  # the copy failed and ended: compute everything
+            logger.warning("%s: %s prefix load failed (%s); computing it all", self.name,
+                           item.rid, exc)
+            return 0
         self.cache.commit(item.kv, handle.num_tokens)
         return handle.num_tokens
 
@@ -122,9 +150,10 @@ class ColocatedWorker(WorkerBase):
                     f" ({detail})" if detail else "")
         self.engine.remove(item.rid)
         self.batch.remove(item.rid)
-        self.counts["aborted"] += 1
+        self.counts["aborted" if reason == "aborted" else "failed"] += 1
+        item.state = ReqState.ABORTED if reason == "aborted" else ReqState.FAILED
         ranges = finish_ranges(item.kv, self.cache.page_size) if item.kv is not None else []
-        self.admission.release(item, ranges, "aborted")
+        self.admission.release(item, ranges, reason if reason == "aborted" else "error")
         if self.conn is not None:
             self.conn.request_aborted(item.rid)
         if hasattr(self.step, "forget"):

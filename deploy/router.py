@@ -230,6 +230,10 @@ class Router:
         for key in ("xfer_s", "kv_bytes"):
             if key in info:
                 out[key] = info[key]
+        if "error" in info and done["reason"] not in ("stop", "length"):
+            # the prefill's words name the cause; the decode's only say the transfer ended
+            out["error"] = info["error"] + (f" (decode: {done['error']})"
+                                            if done.get("error") else "")
         if "t_finish_wall" in info and "t_kv_wall" in route.extra:
             # exposed transfer: prefill's last chunk computed -> decode holds KV + token
             out["xfer_s"] = max(0.0, route.extra["t_kv_wall"] - info["t_finish_wall"])

@@ -30,7 +30,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
         debug_integrity=args.debug_integrity, spec_k=args.spec_k, offload=args.offload,
-        host_pages=args.host_pages, overcommit=args.overcommit)
+        host_pages=args.host_pages, overcommit=args.overcommit,
+        prefix_load_timeout_s=getattr(args, "prefix_load_timeout_s", None))
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:

@@ -12,6 +12,12 @@ A request's steps on this worker:
    ``prefilled`` goes to the router with the transfer's timings.
 6. An abort (client via router, or the decode via the transport) or a failure frees the
    row with its reason at any stage; the sender's pins keep pages in flight out of reuse.
+
+A prefix load from the host tier that does not end within ``prefix_load_timeout_s``
+costs only the cached prefix, never the worker: the row is freed (``timeout``; the load's
+pins keep its pages out of reuse until the copy ends), the request goes back to QUEUED
+with reuse off and is prefilled from position 0 in a new row. Any other exception while
+admitting one request fails that request alone (``error``, reported to the router).
 """
 
 from __future__ import annotations
@@ -46,8 +52,12 @@ class PrefillReq:
     announced: bool = False
     eager: bool = False
     """Compute before the decode announced (the router saw room at the decode)."""
+    reuse: bool = True
+    """Load a cached prefix from the host tier (off after a prefix load timed out)."""
     t_first_send: float = 0.0
     t_finish: float = 0.0
+    num_sent_pages: int = 0
+    """Pages the transfer carried (the prompt's, less those the decode had cached)."""
 
 
 class PrefillWorker(WorkerBase):
@@ -76,7 +86,8 @@ class PrefillWorker(WorkerBase):
         self.early_ready: set[str] = set()
         self.dropped: deque[str] = deque(maxlen=_FORGET)
         self.windows: list[tuple[float, float]] = []
-        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0}
+        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0,
+                       "prefix_load_timeouts": 0}
         self.report_ready(kv_advertise or self.sender.address)
 
     # -- control -------------------------------------------------------------------------
@@ -129,30 +140,59 @@ class PrefillWorker(WorkerBase):
     def _admit(self) -> bool:
         """Open rows for announced requests, in arrival order, while the pool has room."""
         any_admitted = False
-        for req in self.reqs.values():
+        for req in list(self.reqs.values()):
             if req.state != ReqState.QUEUED or not (req.announced or req.eager):
                 continue
             need = ceil_div(len(req.prompt), self.cache.page_size)
             if self.cache.num_free_pages() < need or len(self.engine.tasks) >= \
                     self.config.max_rows - 1:
                 break
-            kv = self.cache.open_row(req.rid)
-            self.cache.extend(kv, len(req.prompt))
-            req.task = PrefillTask(req.rid, req.prompt, req.params, kv,
-                                   done=self.load_cached_prefix(req, kv))
-            req.state = ReqState.PREFILLING
-            self.engine.add(req.task)
-            logger.info("%s: %s prefilling (%d tokens)", self.name, req.rid, len(req.prompt))
-            any_admitted = True
+            try:
+                any_admitted |= self._admit_one(req)
+            except Exception as exc:  # contained: this request fails, the worker serves on
+                logger.exception("%s: %s failed at admission", self.name, req.rid)
+                self.sender.abort(req.rid, "error", f"prefill failed: {exc}")
+                self._end(req, "error", f"prefill {self.name} failed to start this request "
+                          f"({type(exc).__name__}: {exc}); retry it")
         return any_admitted
 
-    def load_cached_prefix(self, req: PrefillReq, kv) -> int:
+    def _admit_one(self, req: PrefillReq) -> bool:
+        """Open the row, load the cached prefix, hand the rest to the engine; False when
+        the prefix load timed out (the row is freed, the request queued again)."""
+        kv = self.cache.open_row(req.rid)
+        req.task = PrefillTask(req.rid, req.prompt, req.params, kv)
+        self.cache.extend(kv, len(req.prompt))
+        start = self.load_cached_prefix(req, kv)
+        if start is None:
+            return False
+        req.task.done = start
+        req.state = ReqState.PREFILLING
+        self.engine.add(req.task)
+        logger.info("%s: %s prefilling (%d tokens, %d cached)", self.name, req.rid,
+                    len(req.prompt), start)
+        return True
+
+    def load_cached_prefix(self, req: PrefillReq, kv) -> int | None:
         """Load KV of the prompt's cached prefix (target and draft layers) from the host
-        tier into ``kv``, committing it, and return its length (0 on a miss); the engine
-        computes only the rest."""
-        if self.reuse is None:
+        tier into ``kv``, committing it, and return its length (0 on a miss or a failed
+        copy); the engine computes only the rest.
+
+        Returns None when the load did not end within ``prefix_load_timeout_s``: the row
+        is freed (``timeout``; the load's pins keep its pages safe) and the request stays
+        QUEUED with reuse off, so the next admission computes the whole prompt.
+        """
+        if self.reuse is None or not req.reuse:
             return 0
-        return self.reuse.load(kv, req.prompt, self.config.lease_s)
+        try:
+            return self.reuse.load(kv, req.prompt, self.config.prefix_load_timeout_s)
+        except TimeoutError as exc:
+            logger.warning("%s: %s: %s; computing the whole prompt instead", self.name,
+                           req.rid, exc)
+            self.counts["prefix_load_timeouts"] += 1
+            self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="timeout")
+            self.cache.close_row(kv)
+            req.task, req.reuse = None, False
+            return None
 
     def _on_event(self, ev) -> None:
         if ev.kind == EventKind.READY:
@@ -160,6 +200,8 @@ class PrefillWorker(WorkerBase):
             return
         req = self.reqs.get(ev.rid)
         if ev.kind == EventKind.COMPLETED and req is not None:
+            req.num_sent_pages = ceil_div(ev.prompt_len, self.cache.page_size) - \
+                ev.cached_tokens // self.cache.page_size
             self._end(req, "sent")
         elif ev.kind.is_final and req is not None:
             self._end(req, ev.reason or "error", ev.detail)
@@ -186,7 +228,7 @@ class PrefillWorker(WorkerBase):
         if req.task is not None:
             kv = req.task.kv
             if reason == "sent" and self.reuse is not None:
-                self.reuse.offload_sent(kv, req.prompt)  # pins what it copies: free follows
+                self._offload_sent(req)  # pins what it copies: free follows
             self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=_free_reason(reason))
             self.cache.close_row(kv)
         kind = "sent" if reason == "sent" else ("aborted" if reason == "aborted" else "failed")
@@ -197,16 +239,24 @@ class PrefillWorker(WorkerBase):
             self.windows.append((req.t_first_send, now))
             # t_finish_wall lets the router measure last chunk -> first token at the decode
             # (same host or synchronised clocks); xfer_s (-> acknowledgement) is the fallback
-            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(len(req.prompt)),
+            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(req.num_sent_pages),
                        t_finish_wall=time.time() - (now - req.t_finish))
         if detail:
             msg["error"] = detail
         req.state = ReqState.FINISHED if reason == "sent" else ReqState.ABORTED
         self.send(msg)
 
-    def _kv_bytes(self, prompt_len: int) -> int:
-        ps = self.cache.page_size
-        return ceil_div(prompt_len, ps) * self.cache.layout.page_bytes(ps)
+    def _kv_bytes(self, num_pages: int) -> int:
+        """Bytes of ``num_pages`` pages (target and draft layers), as the transfer moves
+        them; a prefix the decode loaded from its host tier is not counted."""
+        return num_pages * self.cache.layout.page_bytes(self.cache.page_size)
+
+    def _offload_sent(self, req: PrefillReq) -> None:
+        """Offer the sent prompt to the host tier; a failure costs the cache entry only."""
+        try:
+            self.reuse.offload_sent(req.task.kv, req.prompt)
+        except Exception:  # the row is freed by the caller either way
+            logger.exception("%s: %s: offload to the host tier failed", self.name, req.rid)
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:

@@ -312,7 +312,8 @@ class KvSender(Endpoint):
         if out.state == OutState.DONE_SENT and all(g.acked for g in out.legs.values()):
             out.state = OutState.CLOSED
             self._emit(EventKind.COMPLETED, out.rid, reason="sent",
-                       first_token=out.first_token)
+                       first_token=out.first_token, prompt_len=out.prompt_len,
+                       cached_tokens=out.cached_blocks * self.hello.page_size)
 
     def _on_abort(self, peer: Peer, msg: Abort) -> None:
         self._send(peer.key, AbortAck(rid=msg.rid))
