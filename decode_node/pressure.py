@@ -6,7 +6,9 @@ every running sequence can grow by its next step (the newest token's slot and up
 ``spec_k`` lookahead slots, never past its ``max_len``); while the pool is short it
 retracts the youngest running sequence to the host tier (``HostConnector.retract``).
 ``resume`` brings retracted sequences back oldest first, as soon as a row for their
-committed tokens plus one step fits; until then new admissions wait (no starvation).
+committed tokens plus one step fits; until then new admissions wait (``admits_new``; no
+starvation). Age is arrival order in the batch, kept across retraction: a resumed
+sequence is as old as it was, so it is not the next victim.
 
 Who frees what: ``retract`` frees the device row at once (reason ``offloaded``; the pins of
 copies in flight protect the pages); a resumed sequence has a new row that the worker
@@ -41,6 +43,22 @@ class Retractor:
         self.conn, self.batch, self.spec_k = conn, batch, spec_k
         self.cache = batch.cache
         self.waiting: OrderedDict[str, Retracted] = OrderedDict()
+        """Retracted sequences, oldest first."""
+        self._age: dict[str, int] = {}
+        self._num_seen = 0
+
+    def admits_new(self) -> bool:
+        """New requests may be admitted only while nothing waits to resume."""
+        return not self.waiting
+
+    def _update_ages(self) -> None:
+        """Number sequences in the order they joined the batch; forget those gone."""
+        for rid in self.batch.running:
+            if rid not in self._age:
+                self._age[rid], self._num_seen = self._num_seen, self._num_seen + 1
+        for rid in [r for r in self._age if r not in self.batch.running
+                    and r not in self.waiting]:
+            del self._age[rid]
 
     def _step_pages(self, seq: DecodeSeq, max_len: int) -> int:
         """Pages ``seq``'s next step may allocate."""
@@ -56,27 +74,33 @@ class Retractor:
     def relieve(self, max_len: Callable[[str], int]) -> list[str]:
         """Retract youngest-first until the next step fits; returns the retracted rids."""
         out = []
+        self._update_ages()
         while len(self.batch) and self.pages_short(max_len) > 0:
-            rid = next(reversed(self.batch.running))
+            rid = max(self.batch.running, key=self._age.__getitem__)
             seq = self.batch.remove(rid)
             self.waiting[rid] = self.conn.retract(seq, finish_ranges(seq.kv,
                                                                      self.cache.page_size))
             out.append(rid)
+        if out:
+            order = sorted(self.waiting, key=self._age.__getitem__)
+            self.waiting = OrderedDict((rid, self.waiting[rid]) for rid in order)
         return out
 
     def resume(self, runner: ModelRunner, timeout_s: float, max_len: Callable[[str], int]
-               ) -> tuple[list[DecodeSeq], list[str]]:
+               ) -> tuple[list[DecodeSeq], dict[str, str]]:
         """Resume retracted sequences, oldest first, while their rows fit.
 
         Returns:
-            (sequences back in new rows: the caller adds them to the batch, rids whose
-            reload failed: they hold nothing and the caller fails them).
+            (sequences back in new rows: the caller adds them to the batch, {rid: why}
+            of those whose reload failed: they hold nothing and the caller fails them).
         """
-        out, failed = [], []
+        out, failed, reserved = [], {}, 0
+        ps = self.cache.page_size
         while self.waiting:
             r = next(iter(self.waiting.values()))
-            need = ceil_div(r.committed_len + self.spec_k + 1, self.cache.page_size)
-            if self.cache.num_free_pages() - self._running_need(max_len) < need:
+            need = ceil_div(r.committed_len + self.spec_k + 1, ps)
+            # resumed rows join the batch after this call: keep their next step's pages
+            if self.cache.num_free_pages() - self._running_need(max_len) - reserved < need:
                 break
             try:
                 seq = self.conn.resume(runner, r, timeout_s)
@@ -85,9 +109,10 @@ class Retractor:
             except RuntimeError as exc:  # the row was freed (error); nothing held
                 logger.error("%s: resume failed: %s", r.rid, exc)
                 self.discard(r.rid)
-                failed.append(r.rid)
+                failed[r.rid] = str(exc)
                 continue
             del self.waiting[r.rid]
+            reserved += need - ceil_div(seq.kv.allocated_len, ps)
             out.append(seq)
             logger.info("%s resumed from the host tier", r.rid)
         return out, failed
@@ -98,6 +123,7 @@ class Retractor:
     def discard(self, rid: str) -> bool:
         """Abort of a retracted sequence: drop it (no device row). True if it was one."""
         r = self.waiting.pop(rid, None)
+        self._age.pop(rid, None)
         if r is not None:
             self.conn.discard(r)
         return r is not None

@@ -16,6 +16,12 @@ A request's eight steps on this worker:
    transport's reason: ``timeout``, ``peer_lost``, ``error``); pins keep pages the prefill
    may still write out of reuse.
 8. At shutdown everything still held is freed (``aborted``) and the free log is closed.
+
+With offload on, step 2 first loads the prompt's cached prefix from the host tier; a load
+that does not end within ``prefix_load_timeout_s`` frees the row (``timeout``; the load's
+pins keep its pages safe) and puts the request back at the head of the queue with reuse
+off, so it receives its whole prompt in a new row. With overcommit, a running request may
+be RETRACTED to the host tier (no device row) and resumed later (DECODING again).
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ class DecodeWorker(WorkerBase):
             node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.groups: dict[str, int] = {}
-        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0,
+                       "prefix_load_timeouts": 0}
         self.report_ready()
 
     # -- control -------------------------------------------------------------------------
@@ -110,13 +117,23 @@ class DecodeWorker(WorkerBase):
         while (item := self.admission.admit_next()) is not None:
             any_admitted = True
             try:
-                group = self._group(item.prefill, item.prefill_addr)
                 cached = self.load_cached_prefix(item)
+            except TimeoutError as exc:
+                self._requeue_without_prefix(item, exc)
+                continue
+            except Exception as exc:  # contained: this request fails, the worker serves on
+                logger.exception("%s: %s prefix load failed", self.name, item.rid)
+                self._end(item, "error", f"decode {self.name}: loading the cached prefix "
+                          f"failed ({type(exc).__name__}: {exc}); retry the request")
+                continue
+            try:
+                group = self._group(item.prefill, item.prefill_addr)
                 self.rx.announce(item.rid, item.kv, len(item.prompt), cached, group)
-            except (ValueError, TimeoutError, RuntimeError) as exc:
+            except Exception as exc:  # contained, as above
                 logger.error("%s: %s cannot reach prefill %s: %s", self.name, item.rid,
                              item.prefill, exc)
-                self._end(item, "error", str(exc))
+                self._end(item, "error", f"decode {self.name} cannot reach prefill "
+                          f"{item.prefill} at {item.prefill_addr!r}: {exc}")
                 continue
             item.state = ReqState.WAITING_KV
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
@@ -132,22 +149,39 @@ class DecodeWorker(WorkerBase):
         if self.retractor is None:
             return
         for rid in self.retractor.relieve(self._max_len):
-            self.admission.admitted[rid].kv = None  # row freed (offloaded)
+            item = self.admission.admitted[rid]
+            item.kv, item.state = None, ReqState.RETRACTED  # row freed (offloaded)
+            logger.info("%s: %s retracted to the host tier", self.name, rid)
             if hasattr(self.step, "forget"):
                 self.step.forget(rid)
 
     def _resume(self) -> bool:
         """Bring retracted requests back; True while any is still waiting (then new
         requests are not admitted)."""
-        if self.retractor is None or not self.retractor.waiting:
+        if self.retractor is None or self.retractor.admits_new():
             return False
-        seqs, failed = self.retractor.resume(self.runner, self.config.lease_s, self._max_len)
+        seqs, failed = self.retractor.resume(self.runner, self.config.prefix_load_timeout_s,
+                                             self._max_len)
         for seq in seqs:
-            self.admission.admitted[seq.rid].kv = seq.kv
+            item = self.admission.admitted[seq.rid]
+            item.kv, item.state = seq.kv, ReqState.DECODING
             self.batch.add(seq)
-        for rid in failed:
-            self._end(self.admission.admitted[rid], "error", "resume from host tier failed")
-        return bool(self.retractor.waiting)
+            logger.info("%s: %s resumed", self.name, seq.rid)
+        for rid, why in failed.items():
+            self._end(self.admission.admitted[rid], "error", f"decode {self.name} could not "
+                      f"reload this request from its host tier after retracting it under "
+                      f"memory pressure ({why}); retry it, or give decodes more pages")
+        return not self.retractor.admits_new()
+
+    def _requeue_without_prefix(self, item: WorkItem, exc: Exception) -> None:
+        """A prefix load timed out: free the row (``timeout``; the load's pins keep its
+        pages out of reuse until the copy ends) and queue the request again at the head,
+        reuse off, so it receives its whole prompt in a new row."""
+        logger.warning("%s: %s; receiving the whole prompt instead", self.name, exc)
+        self.counts["prefix_load_timeouts"] += 1
+        self.admission.release(item, [(0, item.kv.allocated_len)], "timeout")
+        item.state, item.extra["no_reuse"] = ReqState.QUEUED, True
+        self.admission.requeue(item)
 
     def load_cached_prefix(self, item: WorkItem) -> int:
         """Fill the row's first pages from the host tier's prefix cache (blocking) and
@@ -155,18 +189,19 @@ class DecodeWorker(WorkerBase):
         copy); the transfer carries only the rest.
 
         Raises:
-            TimeoutError: the copy did not end within the lease; the caller frees the row
+            TimeoutError: the copy did not end within ``prefix_load_timeout_s``; the
+                caller frees the row
                 (the load's pins keep the pages out of reuse until the copy ends).
         """
-        if self.conn is None:
+        if self.conn is None or item.extra.get("no_reuse"):
             return 0
         handle = self.conn.prepare_load(item.kv, item.prompt)
         if handle is None:
             return 0
         try:
-            if not self.conn.complete_load(handle, self.config.lease_s):
-                raise TimeoutError(f"{item.rid}: prefix load not done in "
-                                   f"{self.config.lease_s} s")
+            timeout = self.config.prefix_load_timeout_s
+            if not self.conn.complete_load(handle, timeout):
+                raise TimeoutError(f"{item.rid}: prefix load not done in {timeout} s")
         except RuntimeError as exc:  # the copy failed and ended: receive everything
             logger.warning("%s: %s prefix load failed (%s); receiving it all", self.name,
                            item.rid, exc)

@@ -1,14 +1,19 @@
 """A request as the workers see it: lifecycle states, sampling parameters, validation.
 
-Lifecycle (ordered; a request only moves forward)::
+Lifecycle (ordered; a request moves forward but for the steps back named below)::
 
     QUEUED -> WAITING_KV -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
-                                                                   \\-> ABORTED / FAILED
+                                                          |  ^      \\-> ABORTED / FAILED
+                                                          v  |
+                                                        RETRACTED
 
 Prefill uses QUEUED (no decode announced yet), PREFILLING and TRANSFERRING (last chunk
 computed, waiting for the decode's acknowledgement). Decode uses QUEUED (no pool room),
-WAITING_KV (announced, pages arriving) and DECODING. Colocated uses QUEUED, PREFILLING,
-DECODING.
+WAITING_KV (announced, pages arriving), DECODING and, with overcommit, RETRACTED (its
+committed KV is in the host tier and it holds no device row; resuming makes it DECODING
+again). Colocated uses QUEUED, PREFILLING, DECODING. The other step back: a prefix load
+from the host tier that timed out returns the request to QUEUED with its row freed (it
+is admitted again without reuse).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ class ReqState(IntEnum):
     PREFILLING = 3
     TRANSFERRING = 4
     DECODING = 5
-    FINISHED = 6
-    ABORTED = 7
-    FAILED = 8
+    RETRACTED = 6
+    FINISHED = 7
+    ABORTED = 8
+    FAILED = 9
 
     @property
     def is_finished(self) -> bool:
@@ -37,8 +43,13 @@ class ReqState(IntEnum):
 
     @property
     def holds_kv(self) -> bool:
-        """The worker holds a row with pages for it."""
+        """The worker holds a device row with pages for it (not while RETRACTED)."""
         return ReqState.WAITING_KV <= self <= ReqState.DECODING
+
+    @property
+    def is_retracted(self) -> bool:
+        """Waiting in the host tier to resume; holds a host-tier reference, no row."""
+        return self == ReqState.RETRACTED
 
 
 class BadRequest(ValueError):

@@ -135,6 +135,9 @@ def test_unknown_sampling_parameter_is_refused():
 def test_lifecycle_predicates():
     assert not ReqState.DECODING.is_finished and ReqState.ABORTED.is_finished
     assert ReqState.WAITING_KV.holds_kv and not ReqState.QUEUED.holds_kv
+    retracted = ReqState.RETRACTED    # committed KV in the host tier, no device row
+    assert retracted.is_retracted and not retracted.holds_kv and not retracted.is_finished
+    assert ReqState.DECODING < retracted < ReqState.FINISHED
 
 
 def test_temperature_sampling_is_a_pure_function_of_seed_rid_and_step():
