@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from common.config import ServeConfig
+from common.freelog_reader import FreeLogReader
 from common.model import Model
 from common.reference import generate_greedy
 from common.replay import replay_file
@@ -50,6 +52,36 @@ def _assert_all_logs_clean(cluster: Cluster, expect: int) -> None:
         assert not report.warnings, report.warnings
 
 
+def _aborted_while_offloading(log) -> set[str]:
+    """Owners of device pages freed with reason ``aborted`` while an ``offload`` pin held
+    them, whose pages were later released by the ``unpin`` of that offload pin: the
+    deferred release the abort test is about."""
+    pins: dict[int, tuple[str, set[int]]] = {}
+    waiting: dict[int, str] = {}   # page freed (aborted) under an offload pin -> owner
+    proven: set[str] = set()
+    unpinned: tuple[str, set[int]] | None = None
+    with FreeLogReader(log) as reader:
+        for ev in reader.records:
+            pages = set(np.frombuffer(ev.get("pages", b""), "<i4").tolist())
+            op = ev["op"]
+            if op == "pin":
+                pins[ev["pin"]] = (ev["reason"], pages)
+            elif op == "free" and ev["reason"] == "aborted":
+                held = set().union(*(p for why, p in pins.values() if why == "offload"))
+                waiting.update(dict.fromkeys(pages & held, ev["owner"]))
+            elif op == "unpin":
+                unpinned = pins.pop(ev["pin"])
+            elif op == "release":
+                assert unpinned is not None, ev  # a release follows its unpin
+                why, pinned = unpinned
+                for page in pages & set(waiting):
+                    if why == "offload" and page in pinned:
+                        proven.add(waiting.pop(page))
+            if op != "unpin":
+                unpinned = None
+    return proven
+
+
 @pytest.mark.parametrize("mode, spec_k, offload", [
     ("disagg", 1, False), ("disagg", 2, True), ("disagg", 4, True), ("disagg", 0, True),
     ("colocated", 3, True), ("colocated", 0, False)])
@@ -66,6 +98,21 @@ def test_multi_turn_outputs_equal_the_reference(tmp_path, chat_reference, mode, 
     assert (totals["offloaded_pages"] > 0) == offload, totals
     assert (totals["prefix_hit_pages"] > 0) == offload, totals  # later turns hit
     _assert_all_logs_clean(cluster, workers * (2 if offload else 1))
+    if mode == "disagg":
+        _assert_kv_bytes_count_what_was_sent(cfg, results, stats, offload)
+
+
+def _assert_kv_bytes_count_what_was_sent(cfg, results, stats, offload: bool) -> None:
+    """Per-request ``kv_bytes`` is the pages the transfer carried: the whole prompt less
+    the prefix the decode loaded from its host tier."""
+    page = cfg.model_config().kv_layout(with_draft=cfg.with_draft).page_bytes(cfg.page_size)
+    full = {rid: -(-r.prompt_len // cfg.page_size) * page for rid, r in results.items()}
+    assert all(0 < r.kv_bytes <= full[rid] and r.kv_bytes % page == 0
+               for rid, r in results.items()), results
+    hits = [rid for rid, r in results.items() if r.kv_bytes < full[rid]]
+    assert bool(hits) == offload, hits
+    assert sum(r.kv_bytes for r in results.values()) == sum(
+        s.get("bytes_sent", 0) for s in stats.values())  # what the prefill streamed
 
 
 def test_speculation_at_page_size_16_with_max_new_tokens_mid_speculation(tmp_path):
@@ -95,13 +142,47 @@ def test_aborts_while_host_copies_are_in_flight_leak_nothing(tmp_path, mode):
                     timeout_s=120)
     cluster.stop()
     cluster.check_exit_codes()
-    assert sum(r.reason == "aborted" for r in results.values()) >= 3
+    aborted = {rid for rid, r in results.items() if r.reason == "aborted"}
+    assert len(aborted) >= 3
     ref = _reference(cfg, spec)
     for rid, r in results.items():
         assert r.reason in ("length", "aborted"), (rid, r.reason, r.error)
         if r.reason == "length":
             assert r.output_ids == ref[rid]
     _assert_all_logs_clean(cluster, workers * 2)
+    # the overlap this test is about happened: an aborted row was freed while its pages
+    # were still pinned by a copy to the host, and they came back only at that copy's end
+    decode_log = [p for p in cluster.freelogs() if p.name.startswith(mode_worker(mode))
+                  and not p.name.endswith(".host.freelog")]
+    assert len(decode_log) == 1, cluster.freelogs()
+    proven = _aborted_while_offloading(decode_log[0])
+    assert proven and proven <= aborted, (proven, aborted)
+
+
+def mode_worker(mode: str) -> str:
+    """Name prefix of the worker that decodes (and offloads while decoding)."""
+    return "decode" if mode == "disagg" else "colocated"
+
+
+def test_prefix_loads_that_time_out_fall_back_to_full_prefill_and_receive(tmp_path,
+                                                                         chat_reference):
+    # Every host copy starts 50 ms late and a prefix load may take 5 ms: every load on
+    # the prefill and the decode times out. Each such request gives its row back
+    # (reason timeout; the load's pins keep the pages until the copy ends) and is served
+    # without reuse, token-identical; both workers keep serving.
+    cfg = CFG.with_overrides(debug_copy_delay_s=0.05, prefix_load_timeout_s=0.005,
+                             spec_k=2)
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, CHAT)
+    assert {rid: r.output_ids for rid, r in results.items()} == chat_reference
+    by_role = {s["role"]: s for s in stats.values()}
+    assert by_role["prefill"]["prefix_load_timeouts"] > 0, stats
+    assert by_role["decode"]["prefix_load_timeouts"] > 0, stats
+    _assert_all_logs_clean(cluster, 4)
+    for log in cluster.freelogs():
+        if not log.name.endswith(".host.freelog"):
+            with FreeLogReader(log) as reader:
+                assert any(ev.get("reason") == "timeout" for ev in reader.records), log
 
 
 @pytest.mark.parametrize("spec_k", [0, 2])
