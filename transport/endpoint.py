@@ -1,4 +1,5 @@
-"""What the prefill sender and the decode receiver share: counters, errors, leases."""
+"""What the prefill sender and the decode receiver share: counters, errors, leases, the ZMQ
+context, Bye on close, giving up on AbortAcks, the bookkeeping of a lost peer."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
+import zmq
+
 from .config import TransportConfig
 from .events import Event, EventKind, Peer
-from .messages import Error, ErrorCode, Heartbeat, Message, ProtocolError, encode
+from .messages import Bye, Error, ErrorCode, Heartbeat, Message, ProtocolError, encode
 
 logger = logging.getLogger(__name__)
 _RECENT = 4096  # closed rids remembered so late messages are dropped, not answered as errors
@@ -22,10 +25,13 @@ class Endpoint(ABC):
     Every wait is checked in ``poll``: call it at least once per heartbeat interval.
     """
 
-    def __init__(self, config: TransportConfig):
+    def __init__(self, config: TransportConfig, ctx: zmq.Context | None):
         self.config = config
         self.stats: Counter[str] = Counter()
         self.peers: dict[bytes, Peer] = {}
+        self.transfers: dict = {}   # rid -> Outgoing (sender) or Incoming (receiver)
+        self._own_ctx = ctx is None  # terminated by ``_end_context`` only when ours
+        self._ctx = ctx or zmq.Context()
         self._events: list[Event] = []
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -77,6 +83,38 @@ class Endpoint(ABC):
                 self.stats["heartbeats_sent"] += 1
                 if not self._send(peer.key, Heartbeat(seq=peer.heartbeat_seq)):
                     self._lose(peer, "unreachable")
+
+    def _say_bye(self) -> None:
+        for peer in self.peers.values():
+            if not peer.lost:
+                self._send(peer.key, Bye(reason="closing"))
+
+    def _end_context(self) -> None:
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _peer_error(self, peer: Peer, msg: Error) -> None:
+        self.stats["errors_recv"] += 1
+        logger.warning("%s: peer %s reports %s: %s", self.config.node, peer.name, msg.code,
+                       msg.detail)
+
+    def _stop_waiting_for_abort_acks(self, transfer) -> None:
+        """An AbortAck overdue by ``chunk_timeout_s``: stop waiting, so the pins go."""
+        self.stats["timeouts.abort_ack"] += 1
+        for leg in transfer.legs.values():
+            leg.abort_acked = True
+
+    def _legs_lost_with(self, peer: Peer) -> list[str]:
+        """Rids of ``peer``'s transfers; their legs to it count as abort-acked (nobody will
+        answer). Clears ``peer.rids``; the caller fails each rid still open."""
+        rids = []
+        for rid in sorted(peer.rids):
+            transfer = self.transfers.get(rid)
+            if transfer is not None and peer.key in transfer.legs:
+                transfer.legs[peer.key].abort_acked = True
+                rids.append(rid)
+        peer.rids.clear()
+        return rids
 
     def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
         if peer.lost:
