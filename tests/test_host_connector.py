@@ -14,8 +14,6 @@ import torch
 from common import KvCache
 from common.freelog_reader import FreeLogReader
 from common.host_tier import HostTier
-from common.model import Model
-from common.model_config import get_config
 from common.model_runner import BatchItem, ModelRunner
 from common.offload import Offloader
 from common.reference import generate_greedy
@@ -24,20 +22,10 @@ from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector
 from decode_node.speculative import SpeculativeStep
 from deploy.request import SamplingParams
+from tests.model_helpers import F64, prompt
 from tests.test_offload import ManualEngine
 
-F64 = get_config("tiny", dtype="float64")
 LAYOUT = F64.kv_layout(with_draft=True)
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(F64)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
 
 
 class Node:

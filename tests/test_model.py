@@ -10,18 +10,7 @@ from common.model import Model
 from common.model_config import ModelConfig, get_config
 from common.model_runner import BatchItem, ModelRunner
 from common.reference import generate_greedy
-
-F64 = get_config("tiny", dtype="float64")
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(F64)
-
-
-def prompt(n: int, seed: int = 1) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
+from tests.model_helpers import F64, prompt
 
 
 def make_cache(m: Model, page_size: int, *, num_pages: int = 64, draft: bool = True

@@ -11,27 +11,15 @@ import torch
 
 from common import KvCache
 from common.host_tier import HostTier
-from common.model import Model
-from common.model_config import get_config
 from common.model_runner import BatchItem, ModelRunner
 from common.offload import Offloader
 from common.replay import replay_file
 from deploy.request import SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
+from tests.model_helpers import F64, prompt
 
-F64 = get_config("tiny", dtype="float64")
 LAYOUT = F64.kv_layout(with_draft=True)
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(F64)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
 
 
 class Prefill:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from common.reference import generate_greedy
 from decode_node.pressure import Retractor
-from tests.test_host_connector import Node, SwitchEngine, frees, model, prompt  # noqa: F401
+from tests.model_helpers import prompt
+from tests.test_host_connector import Node, SwitchEngine, frees
 
 MAX_NEW = {"a": 10, "b": 16, "c": 16}
 
 
-def _setup(model, tmp_path):  # noqa: F811
+def _setup(model, tmp_path):
     engine = SwitchEngine()
     engine.auto = True  # copies end at once; pins drop at the next poll
     n = Node(model, tmp_path, 4, num_pages=11, host_pages=60, engine=engine)
@@ -36,7 +37,7 @@ def _offloaded_owners(n) -> list[str]:
             if ev.get("op") == "free" and ev.get("reason") == "offloaded"]
 
 
-def test_youngest_is_retracted_first_and_oldest_resumes_first(model, tmp_path):  # noqa: F811
+def test_youngest_is_retracted_first_and_oldest_resumes_first(model, tmp_path):
     n, ret = _setup(model, tmp_path)
     assert n.cache.num_free_pages() == 1 and ret.pages_short(_max_len) == 2  # 3 needed
     assert ret.admits_new()
@@ -93,7 +94,7 @@ def _run_to_the_end(n, ret) -> None:
         n.conn.poll()
 
 
-def test_abort_while_retracted_drops_the_host_reference_only(model, tmp_path):  # noqa: F811
+def test_abort_while_retracted_drops_the_host_reference_only(model, tmp_path):
     n, ret = _setup(model, tmp_path)
     assert ret.relieve(_max_len) == ["c"]
     assert n.conn.off.prefix.evict(100) == 6         # a's and b's; c's chain is referenced

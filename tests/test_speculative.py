@@ -8,12 +8,10 @@ committed part and the lookahead tail in one call), and the recorded free log re
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common import KvCache
 from common.freelog_reader import FreeLogReader
 from common.model import Model
-from common.model_config import get_config
 from common.model_runner import BatchItem, ModelRunner
 from common.ranges import ceil_align, ceil_div
 from common.reference import generate_greedy
@@ -21,18 +19,7 @@ from common.replay import replay_file
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.speculative import SpeculativeStep
 from deploy.request import SamplingParams
-
-F64 = get_config("tiny", dtype="float64")
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(F64)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
+from tests.model_helpers import F64, prompt
 
 
 class Harness:

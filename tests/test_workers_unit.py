@@ -7,8 +7,6 @@ import pytest
 
 from common import KvCache
 from common.config import ServeConfig
-from common.model import Model
-from common.model_config import get_config
 from common.model_runner import ModelRunner
 from common.reference import generate_greedy
 from common.replay import replay_file
@@ -19,13 +17,9 @@ from deploy.request import BadRequest, ReqState, SamplingParams, validate
 from deploy.workload import WorkloadSpec, make_workload
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.worker import _union_length
+from tests.model_helpers import F64
 
-CFG = get_config("tiny", dtype="float64")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return Model(CFG)
+CFG = F64
 
 
 def _cache(num_pages=256, page_size=4, log=None):
