@@ -20,9 +20,7 @@ from collections.abc import Callable
 import torch
 
 from common import KvCache
-from common.model import Model
-from common.model_config import get_config
-from common.model_runner import BatchItem, ModelRunner
+from common.model import BatchItem, Model, ModelRunner, get_config
 
 
 def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:

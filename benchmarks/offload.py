@@ -24,9 +24,7 @@ import numpy as np
 import torch
 
 from common import KvCache, KvLayout
-from common.host_tier import HostTier
-from common.offload import Offloader
-from common.prefix_cache import HashChain
+from common.host import HashChain, HostTier, Offloader
 
 LAYOUT = KvLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
 PAGE_SIZE = 16

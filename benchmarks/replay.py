@@ -26,8 +26,7 @@ from collections.abc import Iterator
 
 import msgpack
 
-from common.freelog import FreeLogWriter
-from common.replay import replay_file
+from common.freelog import FreeLogWriter, replay_file
 
 PAGE_SIZE = 16
 NUM_PAGES = 32768

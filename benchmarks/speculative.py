@@ -22,14 +22,11 @@ import time
 import torch
 
 from common import KvCache
-from common.host_tier import HostTier
-from common.model import Model
-from common.model_config import get_config
-from common.model_runner import BatchItem, ModelRunner
-from common.offload import Offloader
+from common.host import HostTier, Offloader
+from common.model import BatchItem, Model, ModelRunner, get_config
+from common.request import SamplingParams
 from decode_node.batch import DecodeBatch, DecodeSeq, StepFn, greedy_step
 from decode_node.speculative import SpeculativeStep
-from deploy.request import SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
 

@@ -1,9 +1,12 @@
-"""pdkv common: the KV memory core shared by prefill and decode workers."""
+"""pdkv common: the ground floor every other package stands on.
 
-from common.errors import OutOfPages, RangeError
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.layout import KvLayout
-from common.ranges import ceil_align
+Wings, each with its own face: ``common.kv`` (memory core), ``common.freelog`` (recording
+and replay), ``common.model``, ``common.host`` (host tier), ``common.node`` (worker
+process shell and control plane); ``common.request`` and ``common.config`` at the top.
+"""
 
-__all__ = ["KvCache", "KvLayout", "KvRecord", "OutOfPages", "RangeError", "ceil_align"]
+from common.kv import KvCache, KvLayout, KvRecord, OutOfPages, RangeError, ceil_align
+from common.request import BadRequest, ReqState, SamplingParams
+
+__all__ = ["BadRequest", "KvCache", "KvLayout", "KvRecord", "OutOfPages", "RangeError",
+           "ReqState", "SamplingParams", "ceil_align"]

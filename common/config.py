@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from common.model_config import CONFIGS, ModelConfig, get_config
+from common.model import CONFIGS, ModelConfig, get_config
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
@@ -20,7 +20,7 @@ class ServeConfig:
     """How a pdkv deployment serves: model, pool sizes, batching, deadlines."""
 
     model: str = "tiny"
-    """Built-in model config name (see ``common.model_config.CONFIGS``)."""
+    """Built-in model config name (see ``common.model.config.CONFIGS``)."""
     dtype: str = ""
     """Override of the model's dtype (float16, bfloat16, float32, float64); empty keeps it.
     Tests use float64 so that disaggregated and colocated outputs compare exactly."""

@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.ranges import ceil_div
-from deploy.request import ReqState, SamplingParams
+from common.kv import KvCache, KvRecord, ceil_div
+from common.request import ReqState, SamplingParams
 
 
 @dataclass

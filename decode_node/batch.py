@@ -23,12 +23,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.model_runner import BatchItem, ModelRunner
-from common.ranges import ceil_align
-from decode_node.sampling import sample
-from deploy.request import SamplingParams
+from common.kv import KvCache, KvRecord, ceil_align
+from common.model import BatchItem, ModelRunner, sample
+from common.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Decode-side host-tier connector: offload while decoding, prefix loads, retraction.
 
-Glue between a decode worker's ``KvCache`` rows and ``common.offload.Offloader``
+Glue between a decode worker's ``KvCache`` rows and ``common.host.offload.Offloader``
 (DESIGN.md section 6, LESSONS.md item 4). Per running sequence it keeps a ``HashChain``
 over the committed tokens (prompt + generated but the newest) and, each time a page fills
 with committed KV, starts copying it to the host tier (``prepare_store``); ``poll`` each
@@ -31,12 +31,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from common.kv_record import KvRecord
-from common.model_runner import BatchItem, ModelRunner
-from common.offload import LoadHandle, Offloader
-from common.prefix_cache import HashChain
+from common.host import HashChain, LoadHandle, Offloader
+from common.kv import KvRecord
+from common.model import BatchItem, ModelRunner
+from common.request import SamplingParams
 from decode_node.batch import DecodeSeq
-from deploy.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

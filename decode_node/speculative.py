@@ -32,11 +32,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from common.errors import OutOfPages
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.model_runner import BatchItem, ModelRunner
-from decode_node.batch import DecodeSeq, greedy_step
+from common.config import ServeConfig
+from common.kv import KvCache, KvRecord, OutOfPages
+from common.model import BatchItem, ModelRunner
+from decode_node.batch import DecodeSeq, StepFn, greedy_step
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +233,17 @@ class MixedStep:
                 for i, toks in zip(part, fn(runner, [seqs[i] for i in part])):
                     out[i] = toks
         return out
+
+
+def make_step(cfg: ServeConfig) -> StepFn:
+    """``MixedStep(spec_k)`` when speculation is on, else ``greedy_step``."""
+    return MixedStep(cfg.spec_k) if cfg.spec_k else greedy_step
+
+
+def spec_stats(step: StepFn) -> dict:
+    """Speculation counters of ``step`` for a worker's stats (empty without speculation)."""
+    st = getattr(step, "stats", None)
+    if st is None:
+        return {}
+    return {"spec_proposed": st.num_proposed, "spec_accepted": st.num_accepted,
+            "spec_emitted": st.num_emitted, "spec_seq_steps": st.num_seq_steps}

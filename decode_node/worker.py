@@ -29,13 +29,12 @@ from __future__ import annotations
 import logging
 import time
 
+from common.node import WorkerBase, unpack_ids
+from common.request import BadRequest, ReqState, SamplingParams
 from decode_node.admission import WorkItem
 from decode_node.batch import DecodeSeq
-from decode_node.decode_side import DecodeSide
-from decode_node.pressure import Retractor
-from deploy.request import BadRequest, ReqState, SamplingParams
-from deploy.wire import unpack_ids
-from deploy.worker_base import WorkerBase
+from decode_node.retraction import Retractor
+from decode_node.scheduler import DecodeSide
 from transport import EventKind, KvReceiver, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class DecodeWorker(WorkerBase):
                         item.rid, len(item.prompt), item.prefill)
         return any_admitted
 
-    # -- overcommit: retraction under pressure (decode_node/pressure.py) -----------------
+    # -- overcommit: retraction under pressure (decode_node/retraction.py) -----------------
     def _max_len(self, rid: str) -> int:
         return self.side.admission.admitted[rid].max_len
 

@@ -45,7 +45,7 @@ def _add_replay(sub) -> None:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from common.replay_cli import main as replay_main
+    from common.freelog import replay_main
 
     return replay_main(args)
 

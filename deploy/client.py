@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from deploy.wire import Link, pack_ids
+from common.node import Link, pack_ids
 
 
 class Client:

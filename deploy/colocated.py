@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 
+from common.node import WorkerBase, unpack_ids
+from common.request import ReqState, SamplingParams
 from decode_node.admission import WorkItem
-from decode_node.decode_side import DecodeSide
-from deploy.request import ReqState, SamplingParams
-from deploy.wire import unpack_ids
-from deploy.worker_base import WorkerBase
+from decode_node.scheduler import DecodeSide
 from prefill_node.engine import PrefillEngine, PrefillTask
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.config import ServeConfig
-from deploy.request import BadRequest
+from common.request import BadRequest
 
 
 @dataclass

@@ -27,7 +27,7 @@ def _setup(args: argparse.Namespace) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
-    from deploy.worker_base import setup_process
+    from common.node import setup_process
     setup_process(getattr(args, "threads", 1))
 
 
@@ -46,7 +46,7 @@ def run_router(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
-    from deploy.worker_base import RouterLost
+    from common.node import RouterLost
     name = args.name or f"{args.command}-{socket.gethostname()}"
     try:
         worker = _build(args, name)

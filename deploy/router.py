@@ -1,9 +1,9 @@
 """The router (front door): registers workers, routes requests load-aware, relays results.
 
 Clients and workers connect DEALER sockets to the router's one ROUTER socket
-(``deploy.wire``). For each submitted request the router
+(``common.node.control``). For each submitted request the router
 
-1. validates it (``deploy.request.validate``) against the model and the pools that
+1. validates it (``common.request.validate``) against the model and the pools that
    registered, answering ``error`` to the client for a bad one;
 2. picks a decode (least reserved tokens per pool token) and a prefill (fewest prompt
    tokens assigned and not yet prefilled), or one colocated worker;
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.config import ServeConfig
+from common.node import Hub, pack_ids, unpack_ids
+from common.request import BadRequest, SamplingParams, validate
 from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
-from deploy.request import BadRequest, SamplingParams, validate
-from deploy.wire import Hub, pack_ids, unpack_ids
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from common.config import DEFAULT, ServeConfig
-from common.replay import replay_file
+from common.freelog import replay_file
 from deploy.driver import Result, drive
 from deploy.launcher import Cluster, WorkerDied
 from deploy.summary import format_summary, summarize

@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from common.kv_record import KvRecord
-from common.model_runner import BatchItem, ModelRunner
-from decode_node.sampling import sample
-from deploy.request import SamplingParams
+from common.kv import KvRecord
+from common.model import BatchItem, ModelRunner, sample
+from common.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import logging
 
-from common.kv_record import KvRecord
-from common.offload import LoadHandle, Offloader
-from common.prefix_cache import HashChain
+from common.host import HashChain, LoadHandle, Offloader
+from common.kv import KvRecord
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,10 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from common.ranges import ceil_div
-from deploy.host_setup import close_offloader, host_salt, make_offloader
-from deploy.request import ReqState, SamplingParams
-from deploy.wire import unpack_ids
-from deploy.worker_base import WorkerBase
+from common.host import close_offloader, host_salt, make_offloader
+from common.kv import ceil_div
+from common.node import WorkerBase, unpack_ids
+from common.request import ReqState, SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
 from transport import EventKind, KvSender, TransportConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.model_config import get_config
+from common.model import get_config
 
 F64 = get_config("tiny", dtype="float64")
 

@@ -16,9 +16,8 @@ import time
 import pytest
 
 from common.config import ServeConfig
-from common.model import Model
-from common.reference import generate_greedy
-from common.replay import replay_file
+from common.freelog import replay_file
+from common.model import Model, generate_greedy
 from deploy.driver import drive
 from deploy.launcher import Cluster, WorkerDied
 from deploy.run import serve_workload

@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 
 from common.config import ServeConfig
-from common.freelog_reader import FreeLogReader
-from common.model import Model
-from common.reference import generate_greedy
-from common.replay import replay_file
+from common.freelog import FreeLogReader, replay_file
+from common.model import Model, generate_greedy
 from deploy.driver import drive
 from deploy.launcher import Cluster
 from deploy.run import serve_workload

@@ -12,16 +12,13 @@ import pytest
 import torch
 
 from common import KvCache
-from common.freelog_reader import FreeLogReader
-from common.host_tier import HostTier
-from common.model_runner import BatchItem, ModelRunner
-from common.offload import Offloader
-from common.reference import generate_greedy
-from common.replay import replay_file
+from common.freelog import FreeLogReader, replay_file
+from common.host import HostTier, Offloader
+from common.model import BatchItem, ModelRunner, generate_greedy
+from common.request import SamplingParams
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector
 from decode_node.speculative import SpeculativeStep
-from deploy.request import SamplingParams
 from tests.model_helpers import F64, prompt
 from tests.test_offload import ManualEngine
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common import KvLayout
-from common.host_tier import CACHE_OWNER, CopyEngine, HostTier, copy_pages, page_runs
-from common.replay import replay_file
+from common.freelog import replay_file
+from common.host import CACHE_OWNER, CopyEngine, HostTier, copy_pages, page_runs
 
 
 def test_host_pool_has_its_own_allocator_log_and_page_layout(tmp_path):

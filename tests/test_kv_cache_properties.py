@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from common import KvCache, OutOfPages, RangeError
-from common.ranges import ceil_div
+from common.kv import ceil_div
 
 NUM_PAGES, SWA_PAGES, MAX_ROWS, MAX_ROW_LEN = 24, 14, 4, 64
 
@@ -264,7 +264,7 @@ class _raises:
 
 
 def _assert_replays_clean(log: Path) -> None:
-    from common.replay import replay_file
+    from common.freelog import replay_file
 
     report = replay_file(log)
     assert report.ok, report.violations[:5]

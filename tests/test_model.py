@@ -6,10 +6,7 @@ import pytest
 import torch
 
 from common import KvCache
-from common.model import Model
-from common.model_config import ModelConfig, get_config
-from common.model_runner import BatchItem, ModelRunner
-from common.reference import generate_greedy
+from common.model import BatchItem, Model, ModelConfig, ModelRunner, generate_greedy, get_config
 from tests.model_helpers import F64, prompt
 
 

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from common import KvCache, KvLayout
-from common.freelog_reader import FreeLogReader
-from common.host_tier import CopyEngine, CopyJob, HostTier, copy_pages
-from common.offload import Offloader
-from common.prefix_cache import HashChain
-from common.replay import replay_file
+from common.freelog import FreeLogReader, replay_file
+from common.host import CopyEngine, CopyJob, HashChain, HostTier, Offloader, copy_pages
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16",
                   num_draft_layers=1)

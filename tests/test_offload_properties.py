@@ -10,10 +10,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from common import KvCache, KvLayout
-from common.host_tier import HostTier
-from common.offload import Offloader
-from common.prefix_cache import HashChain
-from common.replay import replay_file
+from common.freelog import replay_file
+from common.host import HashChain, HostTier, Offloader
 from tests.test_offload import ManualEngine
 
 LAYOUT = KvLayout(num_layers=1, num_kv_heads=1, head_dim=2)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.freelog_reader import FreeLogReader
-from common.host_tier import CACHE_OWNER, HostTier
-from common.prefix_cache import HashChain, PrefixCache
-from common.replay import replay_file
+from common.freelog import FreeLogReader, replay_file
+from common.host import CACHE_OWNER, HashChain, HostTier, PrefixCache
 
 
 @pytest.fixture

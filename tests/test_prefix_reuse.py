@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from common import KvCache
-from common.host_tier import HostTier
-from common.model_runner import BatchItem, ModelRunner
-from common.offload import Offloader
-from common.replay import replay_file
-from deploy.request import SamplingParams
+from common.freelog import replay_file
+from common.host import HostTier, Offloader
+from common.model import BatchItem, ModelRunner
+from common.request import SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
 from tests.model_helpers import F64, prompt

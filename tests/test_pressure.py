@@ -1,4 +1,4 @@
-"""Retraction policy stories (``decode_node.pressure.Retractor``) over a real pool, host
+"""Retraction policy stories (``decode_node.retraction.Retractor``) over a real pool, host
 tier and model: the youngest running sequence is retracted first, the oldest retracted one
 resumes first and before any new admission, with exact page counts; outputs equal the
 reference and both free logs replay clean.
@@ -9,8 +9,8 @@ free; greedy decoding (spec_k 0) takes one new page per sequence every 4 steps.
 
 from __future__ import annotations
 
-from common.reference import generate_greedy
-from decode_node.pressure import Retractor
+from common.model import generate_greedy
+from decode_node.retraction import Retractor
 from tests.model_helpers import prompt
 from tests.test_host_connector import Node, SwitchEngine, frees
 
@@ -32,7 +32,7 @@ def _max_len(rid: str) -> int:
 
 
 def _offloaded_owners(n) -> list[str]:
-    from common.freelog_reader import FreeLogReader
+    from common.freelog import FreeLogReader
     return [ev["owner"] for ev in FreeLogReader(n.device_log).records
             if ev.get("op") == "free" and ev.get("reason") == "offloaded"]
 

@@ -15,10 +15,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.freelog import FreeLogWriter
-from common.freelog_reader import UnreadableLog
-from common.replay import ReplayReport, replay_file
-from common.replay_cli import main
+from common.freelog import FreeLogWriter, ReplayReport, UnreadableLog, replay_file
+from common.freelog import replay_main as main
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = {"format": "pdkv-freelog", "version": 1, "node": "decode-0",
@@ -331,7 +329,7 @@ def test_events_longer_than_the_fast_table(tmp_path):
 
 
 def test_owner_table_is_compacted_and_names_stay_right(tmp_path, monkeypatch):
-    import common.replay as replay_module
+    import common.freelog.replay as replay_module
 
     monkeypatch.setattr(replay_module, "CHECK_EVERY", 8)
     events = []

@@ -10,15 +10,12 @@ from __future__ import annotations
 import pytest
 
 from common import KvCache
-from common.freelog_reader import FreeLogReader
-from common.model import Model
-from common.model_runner import BatchItem, ModelRunner
-from common.ranges import ceil_align, ceil_div
-from common.reference import generate_greedy
-from common.replay import replay_file
+from common.freelog import FreeLogReader, replay_file
+from common.kv import ceil_align, ceil_div
+from common.model import BatchItem, Model, ModelRunner, generate_greedy
+from common.request import SamplingParams
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.speculative import SpeculativeStep
-from deploy.request import SamplingParams
 from tests.model_helpers import F64, prompt
 
 

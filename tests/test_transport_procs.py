@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from common.replay import replay_file
+from common.freelog import replay_file
 from tests.transport_helpers import DecodeDriver, PrefillDriver, decode_child, prefill_child
 
 pytestmark = pytest.mark.timeout(90)

@@ -7,13 +7,11 @@ import pytest
 
 from common import KvCache
 from common.config import ServeConfig
-from common.model_runner import ModelRunner
-from common.reference import generate_greedy
-from common.replay import replay_file
+from common.freelog import replay_file
+from common.model import ModelRunner, generate_greedy, sample
+from common.request import BadRequest, ReqState, SamplingParams, validate
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
-from decode_node.sampling import sample
-from deploy.request import BadRequest, ReqState, SamplingParams, validate
 from deploy.workload import WorkloadSpec, make_workload
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.worker import _union_length

@@ -7,7 +7,7 @@ fail with a message that names the differing field (LESSONS.md item 6).
 
 from __future__ import annotations
 
-from common.layout import KvLayout
+from common.kv import KvLayout
 
 from .config import TransportConfig
 from .messages import PROTOCOL_VERSION, Hello

@@ -33,7 +33,6 @@ import numpy as np
 import zmq
 
 from .config import TransportConfig
-from .endpoint import unexpected_frames
 from .events import Event, EventKind, Peer
 from .incoming import Incoming, InLeg, InState
 from .messages import (
@@ -54,6 +53,7 @@ from .messages import (
     decode,
     pages_to_bytes,
 )
+from .peers import unexpected_frames
 from .receiver_data import ReceiverData
 from .sockets import DealerSocket
 

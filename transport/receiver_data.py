@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 from . import tp
-from .endpoint import unexpected_frames
 from .events import Peer
 from .incoming import Incoming, InLeg, InState
 from .messages import ErrorCode, KvChunk, KvWritten, ProtocolError
+from .peers import unexpected_frames
 from .receiver_link import ReceiverLink
 from .sockets import DealerSocket
 

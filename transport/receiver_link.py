@@ -16,10 +16,10 @@ import zmq
 from . import handshake, tp
 from .channel import PoolView
 from .config import TransportConfig
-from .endpoint import Endpoint
 from .events import Peer
 from .incoming import InLeg
 from .messages import Error, Hello, Message, ProtocolError, decode, encode
+from .peers import Endpoint
 from .sockets import DealerSocket
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import zmq
 from . import handshake, shm, tp
 from .channel import DataChannel, PoolView, ZmqChannel, is_unreachable
 from .config import TransportConfig
-from .endpoint import Endpoint, unexpected_frames
 from .events import EventKind, Peer
 from .messages import ErrorCode, Hello, Message, ProtocolError, decode, encode
+from .peers import Endpoint, unexpected_frames
 from .sockets import RouterSocket
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,7 @@ from functools import cache
 
 import numpy as np
 
-from common.layout import KvLayout
-from common.shared_tensor import SharedTensor
+from common.kv import KvLayout, SharedTensor
 
 from .channel import BlockRun, Completion, DataChannel, PoolView
 from .messages import Hello, KvWritten, encode

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from common.freelog_reader import DECODE_ERRORS, FreeLogReader, PoolInfo
-from common.progress import ProgressBar
-from common.replay_report import ReplayReport, Violation
+from common.freelog.progress import ProgressBar
+from common.freelog.reader import DECODE_ERRORS, FreeLogReader, PoolInfo
+from common.freelog.report import ReplayReport, Violation
 
 FREE, OWNED, PENDING, RESERVED = 0, 1, 2, 3
 _STATE_NAMES = ("free", "owned", "pending", "reserved")

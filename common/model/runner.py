@@ -29,10 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.model import Model
-from common.model_config import ModelConfig
+from common.kv import KvCache, KvRecord
+from common.model.config import ModelConfig
+from common.model.model import Model
 
 PACK_MAX_QUERY = 16
 """Items with at most this many new tokens share one padded attention call."""

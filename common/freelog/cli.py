@@ -6,9 +6,9 @@ import json
 import os
 import sys
 
-from common.freelog_reader import UnreadableLog
-from common.replay import replay_file
-from common.replay_report import ReplayReport
+from common.freelog.reader import UnreadableLog
+from common.freelog.replay import replay_file
+from common.freelog.report import ReplayReport
 
 
 def plot_reports(reports: list[ReplayReport], out: str) -> None:

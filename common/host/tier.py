@@ -27,9 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.allocator import PageAllocator
 from common.freelog import FreeLogWriter
-from common.layout import KvLayout
+from common.kv import KvLayout, PageAllocator
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Building a worker's host tier and speculative step from the serving config.
+"""Building a worker's host tier from the serving config.
 
 Shared by the prefill, decode and colocated workers so that every worker keys its prefix
 cache the same way (``host_salt``) and writes its host pool's free log next to the
@@ -17,11 +17,9 @@ import time
 from pathlib import Path
 
 from common.config import ServeConfig
-from common.host_tier import CopyEngine, HostTier, copy_pages
-from common.kv_cache import KvCache
-from common.offload import Offloader
-from decode_node.batch import StepFn, greedy_step
-from decode_node.speculative import MixedStep
+from common.host.offload import Offloader
+from common.host.tier import CopyEngine, HostTier, copy_pages
+from common.kv import KvCache
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +50,6 @@ def close_offloader(off: Offloader | None, timeout_s: float) -> None:
     if not off.close(timeout_s):
         logger.error("host copies still running after %.1f s at shutdown", timeout_s)
     off.host.close()
-
-
-def make_step(cfg: ServeConfig) -> StepFn:
-    """``MixedStep(spec_k)`` when speculation is on, else ``greedy_step``."""
-    return MixedStep(cfg.spec_k) if cfg.spec_k else greedy_step
-
-
-def spec_stats(step: StepFn) -> dict:
-    """Speculation counters of ``step`` for a worker's stats (empty without speculation)."""
-    st = getattr(step, "stats", None)
-    if st is None:
-        return {}
-    return {"spec_proposed": st.num_proposed, "spec_accepted": st.num_accepted,
-            "spec_emitted": st.num_emitted, "spec_seq_steps": st.num_seq_steps}
 
 
 class _SlowCopyEngine(CopyEngine):

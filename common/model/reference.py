@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.kv_cache import KvCache
-from common.model import Model
-from common.model_runner import BatchItem, ModelRunner
-from common.ranges import ceil_div
+from common.kv import KvCache, ceil_div
+from common.model.model import Model
+from common.model.runner import BatchItem, ModelRunner
 
 
 def generate_greedy(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from common.errors import RangeError
+from common.kv.errors import RangeError
 
 
 def ceil_div(a: int, b: int) -> int:

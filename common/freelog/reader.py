@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from common.freelog import FORMAT, VERSION
+from common.freelog.writer import FORMAT, VERSION
 
 READ_SIZE = 1 << 20
 # Errors msgpack raises on bytes that are not msgpack (FormatError and StackError are

@@ -23,10 +23,9 @@ import torch
 import zmq
 
 from common.config import ServeConfig
-from common.kv_cache import KvCache
-from common.model import Model
-from common.model_runner import ModelRunner
-from deploy.wire import Link, wait_any
+from common.kv import KvCache
+from common.model import Model, ModelRunner
+from common.node.control import Link, wait_any
 
 logger = logging.getLogger(__name__)
 

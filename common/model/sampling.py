@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-from deploy.request import SamplingParams
+from common.request import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], rids: list[str],

@@ -1,6 +1,6 @@
 """A Llama-style decoder with seeded weights, split into the pieces a paged runner needs.
 
-The model itself holds no KV: ``ModelRunner`` (common/model_runner.py) calls
+The model itself holds no KV: ``ModelRunner`` (common/model/runner.py) calls
 ``embed``, then per block ``qkv`` -> (its own paged attention) -> ``block_out``, then
 ``logits``. ``forward_dense`` runs the same pieces with plain causal attention over one
 sequence and no cache; tests use it as the reference the paged path must match.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model_config import ModelConfig, get_config
+from common.model.config import ModelConfig, get_config
 
 LATE_BLOCK_SCALE = 0.05
 """Scale of the output projections of blocks the draft model skips."""

@@ -16,13 +16,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from common.allocator import PageAllocator
-from common.errors import OutOfPages, RangeError
 from common.freelog import FreeLogWriter
-from common.kv_record import KvRecord
-from common.layout import KvLayout
-from common.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
-from common.shared_tensor import SharedTensor
+from common.kv.allocator import PageAllocator
+from common.kv.errors import OutOfPages, RangeError
+from common.kv.layout import KvLayout
+from common.kv.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
+from common.kv.record import KvRecord
+from common.kv.shared_tensor import SharedTensor
 
 
 class KvCache:

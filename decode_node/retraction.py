@@ -21,9 +21,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from common.errors import OutOfPages
-from common.model_runner import ModelRunner
-from common.ranges import ceil_div
+from common.kv import OutOfPages, ceil_div
+from common.model import ModelRunner
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.host_connector import HostConnector, Retracted
 

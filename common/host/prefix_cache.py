@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.host_tier import CACHE_OWNER, HostTier
+from common.host.tier import CACHE_OWNER, HostTier
 
 logger = logging.getLogger(__name__)
 

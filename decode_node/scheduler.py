@@ -18,13 +18,14 @@ import logging
 from collections.abc import Callable
 
 from common.config import ServeConfig
-from common.kv_cache import KvCache
-from common.model_runner import ModelRunner
+from common.host import close_offloader, host_salt, make_offloader
+from common.kv import KvCache
+from common.model import ModelRunner
+from common.request import ReqState
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.host_connector import HostConnector
-from deploy.host_setup import close_offloader, host_salt, make_offloader, make_step, spec_stats
-from deploy.request import ReqState
+from decode_node.speculative import make_step, spec_stats
 
 Send = Callable[[dict], None]
 """Sends one message to the router."""

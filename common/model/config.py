@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from common.layout import KvLayout
+from common.kv import KvLayout
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64}
@@ -16,7 +16,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 class ModelConfig:
     """Shape, numerics and seed of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
 
-    Weights are never downloaded: they are drawn from ``seed`` (see ``common.model``), so
+    Weights are never downloaded: they are drawn from ``seed`` (see ``common.model.model``), so
     two processes with equal configs hold bit-identical weights.
     """
 

@@ -40,10 +40,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.host_tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
-from common.kv_cache import KvCache
-from common.kv_record import KvRecord
-from common.prefix_cache import HashChain, PrefixCache, prefix_len
+from common.host.prefix_cache import HashChain, PrefixCache, prefix_len
+from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
+from common.kv import KvCache, KvRecord
 
 logger = logging.getLogger(__name__)
 

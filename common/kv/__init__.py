@@ -1,0 +1,12 @@
+"""The KV memory core: paged pools, kv rows, ``free_kv_row``, pins."""
+
+from common.kv.allocator import PageAllocator
+from common.kv.cache import KvCache
+from common.kv.errors import OutOfPages, RangeError
+from common.kv.layout import KvLayout
+from common.kv.ranges import ceil_align, ceil_div
+from common.kv.record import KvRecord
+from common.kv.shared_tensor import SharedTensor
+
+__all__ = ["KvCache", "KvLayout", "KvRecord", "OutOfPages", "PageAllocator", "RangeError",
+           "SharedTensor", "ceil_align", "ceil_div"]
