@@ -293,3 +293,22 @@ def test_an_insecure_serve_refuses_before_binding(ctx):
         assert sock.getsockopt_string(zmq.LAST_ENDPOINT) == ""
     finally:
         sock.close(0)
+
+
+# -- pdkv keys -----------------------------------------------------------------------------
+def test_pdkv_keys_create_add_export_show(tmp_path, capsys):
+    from deploy.cli import main
+
+    d, out = tmp_path / "k", tmp_path / "host"
+    assert main(["keys", "create", str(d), "--client", "client-web"]) == 0
+    assert "--auth-keys" in capsys.readouterr().out
+    assert main(["keys", "add", str(d), "worker-host3"]) == 0
+    assert main(["keys", "export", str(d), str(out), "--for", "worker-host3"]) == 0
+    capsys.readouterr()
+    assert main(["keys", "show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["deployment_id"] == keys.Keys(d).deployment_id
+    assert shown["identities"] == {"client-web": False, "operator": False, "router": False,
+                                   "worker": False, "worker-host3": True}
+    assert main(["keys", "create", str(d)]) == 2    # never overwritten
+    assert "not empty" in capsys.readouterr().err
