@@ -21,13 +21,14 @@ from common.config import ServeConfig
 from common.host import close_offloader, host_salt, make_offloader
 from common.kv import KvCache
 from common.model import ModelRunner
+from common.node import Done, Load, Message, Tokens
 from common.request import ReqState
 from decode_node.admission import Admission, WorkItem
 from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
 from decode_node.host_connector import HostConnector
 from decode_node.speculative import make_step, spec_stats
 
-Send = Callable[[dict], None]
+Send = Callable[[Message], None]
 """Sends one message to the router."""
 
 EndFn = Callable[[WorkItem, str, str], None]
@@ -116,10 +117,10 @@ class DecodeSide:
         self.admission.requeue(item)
 
     # -- decoding ------------------------------------------------------------------------
-    def start_decoding(self, item: WorkItem, first_token: int, **first: object
+    def start_decoding(self, item: WorkItem, first_token: int, t_kv_wall: float = 0.0
                        ) -> DecodeSeq | None:
-        """Stream the first token (``first``: extra fields of its message) and join the
-        batch; the prompt's KV must be committed.
+        """Stream the first token (``t_kv_wall``: when the decode held all KV) and join
+        the batch; the prompt's KV must be committed.
 
         Returns:
             The sequence when it is already done (one token wanted, or the stop token
@@ -127,8 +128,7 @@ class DecodeSide:
         """
         item.state = ReqState.DECODING
         seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token])
-        self.send({"t": "tokens", "rid": item.rid, "ids": [first_token], "first": True,
-                   **first})
+        self.send(Tokens(item.rid, [first_token], first=True, t_kv_wall=t_kv_wall))
         if not self.batch.add(seq):
             return seq
         if self.conn is not None:
@@ -141,7 +141,7 @@ class DecodeSide:
         emitted, finished = self.batch.step()
         for seq, toks in emitted:
             if toks:
-                self.send({"t": "tokens", "rid": seq.rid, "ids": toks})
+                self.send(Tokens(seq.rid, toks))
         return [(self.admission.admitted[seq.rid], seq) for seq in finished]
 
     def finish(self, item: WorkItem, seq: DecodeSeq) -> str:
@@ -157,7 +157,7 @@ class DecodeSide:
             self.admission.forget(item)  # the connector frees it in reap()
         else:
             self.admission.release(item, ranges, "finished")
-        self.send({"t": "done", "rid": item.rid, "reason": reason, "n": len(output)})
+        self.send(Done(item.rid, reason, n=len(output)))
         return reason
 
     def end(self, item: WorkItem, reason: str, detail: str = "") -> None:
@@ -176,10 +176,7 @@ class DecodeSide:
         if self.conn is not None:
             self.conn.request_aborted(item.rid)
         self.forget_step(item.rid)
-        msg = {"t": "done", "rid": item.rid, "reason": reason}
-        if detail:
-            msg["error"] = detail
-        self.send(msg)
+        self.send(Done(item.rid, reason, error=detail))
 
     def forget_step(self, rid: str) -> None:
         """Drop the step's per-request state (speculation), if it keeps any."""
@@ -192,10 +189,11 @@ class DecodeSide:
         if self.conn is not None:
             self.conn.reap()
 
-    def load(self, running: int = 0) -> dict:
+    def load(self, running: int = 0) -> Load:
         """Load report; ``running`` counts requests the worker runs elsewhere."""
-        return {"running": len(self.batch) + running, "queued": len(self.admission.queue),
-                "free_tokens": self.admission.num_free_tokens}
+        return Load(self.name, running=len(self.batch) + running,
+                    queued=len(self.admission.queue),
+                    free_tokens=self.admission.num_free_tokens)
 
     def stats(self, extra: dict) -> dict:
         """Counters, steps, the worker's ``extra``, speculation and host-tier counters."""

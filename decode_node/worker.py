@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import time
 
-from common.node import WorkerBase, unpack_ids
+from common.codec import unpack_ids
+from common.node import Done, Load, Req, WorkerBase
 from common.request import BadRequest, ReqState, SamplingParams
 from decode_node.admission import WorkItem
 from decode_node.batch import DecodeSeq
@@ -62,27 +63,21 @@ class DecodeWorker(WorkerBase):
         self.report_ready()
 
     # -- control -------------------------------------------------------------------------
-    def handle(self, msg: dict) -> None:
-        if msg["t"] == "req":
-            self._on_req(msg)
-        elif msg["t"] == "abort":
-            self._abort(msg["rid"], "aborted")
-
-    def _on_req(self, msg: dict) -> None:
-        rid = msg["rid"]
+    def on_req(self, msg: Req) -> None:
+        rid = msg.rid
         try:
-            params = SamplingParams.from_dict(msg["params"])
-            prompt = unpack_ids(msg["prompt"])
+            params = SamplingParams.from_dict(msg.params)
+            prompt = unpack_ids(msg.prompt, "prompt").tolist()
             if not prompt or self.side.admission.find(rid) or rid in self.side.batch.running:
                 raise BadRequest(f"{rid}: empty prompt or rid already in flight")
             if len(prompt) + params.max_new_tokens > self.config.pool_tokens("decode"):
                 raise BadRequest(f"{rid}: needs {len(prompt) + params.max_new_tokens} "
                                  "tokens, more than this decode's pool")
-        except (BadRequest, KeyError, ValueError) as exc:
-            self.send({"t": "done", "rid": rid, "reason": "error", "error": str(exc)})
+        except (BadRequest, ValueError) as exc:
+            self.send(Done(rid, "error", error=str(exc)))
             return
-        self.side.admission.enqueue(WorkItem(rid, prompt, params, msg.get("prefill", ""),
-                                             msg.get("prefill_addr", ""),
+        self.side.admission.enqueue(WorkItem(rid, prompt, params, msg.prefill,
+                                             msg.prefill_addr,
                                              extra={"t_recv": time.monotonic()}))
 
     # -- work ----------------------------------------------------------------------------
@@ -196,16 +191,16 @@ class DecodeWorker(WorkerBase):
         if self.retractor is not None:
             self.retractor.discard(item.rid)
 
-    def _abort(self, rid: str, reason: str) -> None:
+    def on_abort(self, rid: str) -> None:
         item = self.side.admission.find(rid)
         if item is not None:
-            self._end(item, reason)
+            self._end(item, "aborted")
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
         return [s.sock for s in self.rx.sockets.values()]
 
-    def load(self) -> dict:
+    def load(self) -> Load:
         return self.side.load()
 
     def stats(self) -> dict:

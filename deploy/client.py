@@ -6,14 +6,26 @@ import time
 
 import zmq
 
-from common.node import Link, pack_ids
+from common.codec import pack_ids
+from common.node import (
+    Abort,
+    Bye,
+    Link,
+    Malformed,
+    Message,
+    Shutdown,
+    Status,
+    StatusReport,
+    Submit,
+)
 
 
 class Client:
     """One DEALER connection to the router.
 
-    ``poll`` returns the router's messages: ``tokens`` (rid, ids, first), ``done`` (rid,
-    reason, n, xfer_s, kv_bytes, error) and ``error`` (rid, error) for refused requests.
+    ``poll`` returns the router's messages: ``Tokens`` (rid, ids, first), ``Done`` (rid,
+    reason, n, error, xfer_s, kv_bytes) and ``Error`` (rid, error, code) for refused
+    requests and messages (``common.node.control``).
     """
 
     def __init__(self, address: str, name: str = "client") -> None:
@@ -21,21 +33,20 @@ class Client:
         self.link = Link(self.ctx, address, name)
 
     def submit(self, rid: str, prompt: list[int], params: dict | None = None) -> None:
-        self.link.send({"t": "submit", "rid": rid, "prompt": pack_ids(prompt),
-                        "params": params or {}})
+        self.link.send(Submit(rid, pack_ids(prompt), params or {}))
 
-    def submit_raw(self, msg: dict) -> None:
-        """Send any message (tests send malformed requests this way)."""
+    def send(self, msg: Message) -> None:
+        """Send any control message."""
         self.link.send(msg)
 
     def abort(self, rid: str) -> None:
-        self.link.send({"t": "abort", "rid": rid})
+        self.link.send(Abort(rid))
 
-    def poll(self, timeout_s: float = 0.0) -> list[dict]:
+    def poll(self, timeout_s: float = 0.0) -> list[Message | Malformed]:
         first = self.link.recv(timeout_s)
         return [] if first is None else [first, *self.link.recv_all()]
 
-    def request(self, msg: dict, answer: str, timeout_s: float) -> dict:
+    def request(self, msg: Message, answer: type, timeout_s: float) -> Message:
         """Send ``msg`` and wait for the first message of type ``answer``.
 
         Raises:
@@ -45,16 +56,17 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             got = self.link.recv(left)
-            if got is not None and got["t"] == answer:
+            if isinstance(got, answer):
                 return got
-        raise TimeoutError(f"router did not answer {msg['t']} within {timeout_s}s")
+        raise TimeoutError(f"router did not answer {type(msg).__name__} within {timeout_s}s")
 
-    def status(self, timeout_s: float = 1.0) -> dict:
-        return self.request({"t": "status"}, "status", timeout_s)
+    def status(self, timeout_s: float = 1.0) -> StatusReport:
+        return self.request(Status(), StatusReport, timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> dict:
         """Ask the router to stop every worker; returns each worker's final stats."""
-        return self.request({"t": "shutdown"}, "bye", timeout_s)["stats"]
+        bye: Bye = self.request(Shutdown(), Bye, timeout_s)
+        return bye.stats
 
     def close(self) -> None:
         self.link.close()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from common.node import WorkerBase, unpack_ids
+from common.codec import unpack_ids
+from common.node import Done, Load, Req, WorkerBase
 from common.request import ReqState, SamplingParams
 from decode_node.admission import WorkItem
 from decode_node.scheduler import DecodeSide
@@ -36,20 +37,20 @@ class ColocatedWorker(WorkerBase):
                                log_dir=log_dir, log=logger, who=name, instead="computing")
         self.report_ready()
 
-    def handle(self, msg: dict) -> None:
-        rid = msg["rid"]
-        if msg["t"] == "abort":
-            item = self.side.admission.find(rid)
-            if item is not None:
-                self._end(item, "aborted")
-            return
+    def on_abort(self, rid: str) -> None:
+        item = self.side.admission.find(rid)
+        if item is not None:
+            self._end(item, "aborted")
+
+    def on_req(self, msg: Req) -> None:
+        rid = msg.rid
         try:
-            params = SamplingParams.from_dict(msg["params"])
-            prompt = unpack_ids(msg["prompt"])
+            params = SamplingParams.from_dict(msg.params)
+            prompt = unpack_ids(msg.prompt, "prompt").tolist()
             if not prompt or self.side.admission.find(rid):
                 raise ValueError(f"{rid}: empty prompt or rid already in flight")
-        except (ValueError, KeyError) as exc:
-            self.send({"t": "done", "rid": rid, "reason": "error", "error": str(exc)})
+        except ValueError as exc:
+            self.send(Done(rid, "error", error=str(exc)))
             return
         self.side.admission.enqueue(WorkItem(rid, prompt, params))
 
@@ -91,7 +92,7 @@ class ColocatedWorker(WorkerBase):
         self.engine.remove(item.rid)
         self.side.end(item, reason, detail)
 
-    def load(self) -> dict:
+    def load(self) -> Load:
         return self.side.load(running=len(self.engine.tasks))
 
     def stats(self) -> dict:

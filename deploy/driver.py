@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.node import Done, Error, Malformed, Message, Tokens
 from deploy.client import Client
 from deploy.workload import WorkRequest
 
@@ -139,22 +140,22 @@ def _abort_on_tokens(client: Client, results: dict[str, Result],
             del after[rid]
 
 
-def _on_message(results: dict[str, Result], msg: dict) -> bool:
+def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
     """Apply one router message; True when it ended a request."""
-    res = results.get(msg.get("rid", ""))
+    res = results.get(getattr(msg, "rid", ""))
     if res is None or res.reason:
         return False
     now = time.monotonic()
-    if msg["t"] == "tokens":
+    if isinstance(msg, Tokens):
         res.t_first = res.t_first or now
         res.t_last = now
-        res.output_ids.extend(msg["ids"])
+        res.output_ids.extend(msg.ids)
         return False
-    if msg["t"] in ("done", "error"):
-        res.t_done = now
-        res.reason = msg.get("reason", "error")
-        res.error = msg.get("error", "")
-        res.xfer_s = float(msg.get("xfer_s", 0.0))
-        res.kv_bytes = int(msg.get("kv_bytes", 0))
+    if isinstance(msg, Done):
+        res.t_done, res.reason, res.error = now, msg.reason, msg.error
+        res.xfer_s, res.kv_bytes = msg.xfer_s, msg.kv_bytes
+        return True
+    if isinstance(msg, Error):
+        res.t_done, res.reason, res.error = now, "error", msg.error
         return True
     return False

@@ -153,7 +153,7 @@ class Cluster:
         while time.monotonic() < deadline:
             self.check()
             try:
-                workers = self.client.status(0.5)["workers"]
+                workers = self.client.status(0.5).workers
             except TimeoutError:
                 continue
             ready = {n for n, w in workers.items() if w["ready"]}

@@ -16,23 +16,53 @@ Clients and workers connect DEALER sockets to the router's one ROUTER socket
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
+from common.codec import pack_ids, unpack_ids
 from common.config import ServeConfig
-from common.node import Hub, pack_ids, unpack_ids
+from common.node import (
+    Abort,
+    Bye,
+    Done,
+    Error,
+    Hub,
+    Load,
+    Malformed,
+    Message,
+    Ping,
+    Pong,
+    Prefilled,
+    Ready,
+    Register,
+    Registered,
+    Req,
+    Shutdown,
+    Stats,
+    Status,
+    StatusReport,
+    Submit,
+    Tokens,
+)
 from common.request import BadRequest, SamplingParams, validate
 from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
+_WORKER_MESSAGES = (Ready, Load, Stats, Tokens, Done, Prefilled, Error)
+"""Accepted only from a peer that registered as a worker."""
 
 
 @dataclass
 class Route:
+    """One request in flight: who asked, who serves it, what each worker reported."""
+
     rid: str
     client: bytes
     decode: str
@@ -40,10 +70,12 @@ class Route:
     prompt_len: int
     row_len: int
     t_submit: float
-    decode_done: dict | None = None
-    prefill_info: dict | None = None
+    decode_done: Done | None = None
+    prefill_info: Prefilled | None = None
     t_grace: float = 0.0
-    extra: dict = field(default_factory=dict)
+    t_kv_wall: float = 0.0
+    """Wall clock when the decode held all KV and the first token (0: not yet)."""
+    aborted_by_client: bool = False
 
 
 class Router:
@@ -58,9 +90,17 @@ class Router:
         self.workers: dict[str, WorkerInfo] = {}
         self.by_peer: dict[bytes, str] = {}
         self.routes: dict[str, Route] = {}
+        self.errors: Counter[str] = self.hub.errors
+        """Refused messages by ``Error`` code (undecodable ones counted by the hub)."""
         self.shutdown_by: bytes | None = None
         self.t_shutdown = 0.0
         self._next_ping = 0.0
+        self._handlers: dict[type, Callable[[bytes, Message], None]] = {
+            Register: self._on_register, Ready: self._on_ready, Load: self._on_load,
+            Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
+            Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
+            Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
+            Error: self._on_error, Malformed: self._on_malformed}
 
     # -- loop ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -69,75 +109,87 @@ class Router:
             while not self._shutdown_complete():
                 item = self.hub.recv(0.05)
                 while item is not None:
-                    self._dispatch(*item)
+                    self.dispatch(*item)
                     item = self.hub.recv(0)
                 self._tick(time.monotonic())
         finally:
             self.hub.close()
             self.ctx.term()
 
-    def _dispatch(self, peer: bytes, msg: dict) -> None:
-        handler = getattr(self, f"_on_{msg['t']}", None)
+    def dispatch(self, peer: bytes, msg: Message | Malformed) -> None:
+        """Handle one message; whatever a peer sends, the router answers and serves on."""
+        handler = self._handlers.get(type(msg))
         if handler is None:
-            self.hub.send(peer, {"t": "error", "rid": msg.get("rid", ""),
-                                 "error": f"unknown message type {msg['t']!r}"})
+            self._refuse(peer, getattr(msg, "rid", ""), "unexpected",
+                         f"the router does not take {type(msg).__name__}")
             return
         name = self.by_peer.get(peer)
         if name is not None:
             self.workers[name].last_seen = time.monotonic()
-        try:
-            handler(peer, msg)
-        except (KeyError, TypeError, ValueError) as exc:
-            logger.warning("router: bad %s message: %s", msg["t"], exc)
-            self.hub.send(peer, {"t": "error", "rid": str(msg.get("rid", "")),
-                                 "error": f"bad {msg['t']} message: {exc!r}"})
+        elif isinstance(msg, _WORKER_MESSAGES):
+            self._refuse(peer, getattr(msg, "rid", ""), "not_registered",
+                         f"{type(msg).__name__} from a peer that did not register")
+            return
+        handler(peer, msg)
+
+    def _refuse(self, peer: bytes, rid: str, code: str, error: str) -> None:
+        self.errors[code] += 1
+        logger.warning("router: refused a message from %r: %s", peer, error)
+        self.hub.send(peer, Error(rid, error, code))
+
+    def _on_malformed(self, peer: bytes, msg: Malformed) -> None:
+        # counted by the hub already
+        self.hub.send(peer, Error(msg.rid, f"malformed message: {msg.detail}", msg.code))
+
+    def _on_error(self, peer: bytes, msg: Error) -> None:
+        logger.warning("router: %s reports an error (%s) for %r: %s", self.by_peer[peer],
+                       msg.code, msg.rid, msg.error)
 
     # -- workers -------------------------------------------------------------------------
-    def _on_register(self, peer: bytes, msg: dict) -> None:
-        name, role = msg["name"], msg["role"]
-        old = self.workers.get(name)
-        if role not in ("prefill", "decode", "colocated") or (old and not old.lost):
-            self.hub.send(peer, {"t": "error", "error": f"role {role!r} or name {name!r} "
-                                 "refused (roles: prefill, decode, colocated; names unique)"})
+    def _on_register(self, peer: bytes, msg: Register) -> None:
+        old = self.workers.get(msg.name)
+        if msg.role not in ("prefill", "decode", "colocated") or (old and not old.lost):
+            self._refuse(peer, "", "refused", f"role {msg.role!r} or name {msg.name!r} "
+                         "refused (roles: prefill, decode, colocated; names unique)")
             return
-        self.workers[name] = WorkerInfo(name, role, peer, msg.get("pid", 0),
-                                        last_seen=time.monotonic())
-        self.by_peer[peer] = name
-        self.hub.send(peer, {"t": "registered", "config": self.config.to_dict()})
-        logger.info("router: %s registered as %s (pid %s)", name, role, msg.get("pid"))
+        self.workers[msg.name] = WorkerInfo(msg.name, msg.role, peer, msg.pid,
+                                            last_seen=time.monotonic())
+        self.by_peer[peer] = msg.name
+        self.hub.send(peer, Registered(self.config.to_dict()))
+        logger.info("router: %s registered as %s (pid %s)", msg.name, msg.role, msg.pid)
 
-    def _on_ready(self, peer: bytes, msg: dict) -> None:
+    def _on_ready(self, peer: bytes, msg: Ready) -> None:
         w = self.workers[self.by_peer[peer]]
-        w.ready, w.kv_addr, w.pool_tokens = True, msg["kv_addr"], msg["pool_tokens"]
+        w.ready, w.kv_addr, w.pool_tokens = True, msg.kv_addr, msg.pool_tokens
         logger.info("router: %s ready (%d pool tokens)", w.name, w.pool_tokens)
 
-    def _on_load(self, peer: bytes, msg: dict) -> None:
-        pass  # last_seen is refreshed by _dispatch; routing uses the router's own counts
+    def _on_load(self, peer: bytes, msg: Load) -> None:
+        pass  # last_seen is refreshed by dispatch; routing uses the router's own counts
 
-    def _on_stats(self, peer: bytes, msg: dict) -> None:
-        self.workers[self.by_peer[peer]].stats = msg["stats"]
+    def _on_stats(self, peer: bytes, msg: Stats) -> None:
+        self.workers[self.by_peer[peer]].stats = msg.stats
 
-    def _on_tokens(self, peer: bytes, msg: dict) -> None:
-        route = self.routes.get(msg["rid"])
+    def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
+        route = self.routes.get(msg.rid)
         if route is not None:
-            if "t_kv_wall" in msg:
-                route.extra["t_kv_wall"] = msg.pop("t_kv_wall")
+            if msg.t_kv_wall:
+                route.t_kv_wall = msg.t_kv_wall
+                msg = dataclasses.replace(msg, t_kv_wall=0.0)
             self.hub.send(route.client, msg)
 
-    def _on_done(self, peer: bytes, msg: dict) -> None:
-        route = self.routes.get(msg["rid"])
+    def _on_done(self, peer: bytes, msg: Done) -> None:
+        route = self.routes.get(msg.rid)
         if route is None:
             return
         route.decode_done = msg
         route.t_grace = time.monotonic() + _PREFILL_GRACE_S
         self._release(route.decode, route.row_len)
-        if route.prefill and route.prefill_info is None and msg["reason"] not in (
-                "stop", "length"):
-            self._send_worker(route.prefill, {"t": "abort", "rid": route.rid})
+        if route.prefill and route.prefill_info is None and not msg.ok:
+            self._send_worker(route.prefill, Abort(route.rid))
         self._maybe_finalize(route)
 
-    def _on_prefilled(self, peer: bytes, msg: dict) -> None:
-        route = self.routes.get(msg["rid"])
+    def _on_prefilled(self, peer: bytes, msg: Prefilled) -> None:
+        route = self.routes.get(msg.rid)
         if route is None:
             return
         route.prefill_info = msg
@@ -145,21 +197,24 @@ class Router:
         self._maybe_finalize(route)
 
     # -- clients -------------------------------------------------------------------------
-    def _on_submit(self, peer: bytes, msg: dict) -> None:
-        rid = str(msg["rid"])
+    def _on_submit(self, peer: bytes, msg: Submit) -> None:
+        rid = msg.rid
         try:
             if rid in self.routes:
                 raise BadRequest(f"rid {rid!r} is already in flight")
-            prompt = unpack_ids(msg["prompt"]) if isinstance(msg["prompt"], bytes) else \
-                list(msg["prompt"])
-            params = SamplingParams.from_dict(msg.get("params", {}))
+            try:
+                prompt = unpack_ids(msg.prompt, "prompt").tolist()
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            params = SamplingParams.from_dict(msg.params)
             validate(prompt, params, vocab_size=self.mcfg.vocab_size,
                      max_tokens=max_tokens(self.workers.values()),
                      max_new_tokens_limit=self.config.max_new_tokens_limit)
             decode, prefill = pick(self.workers.values(), len(prompt),
                                    len(prompt) + params.max_new_tokens)
         except BadRequest as exc:
-            self.hub.send(peer, {"t": "error", "rid": rid, "error": str(exc)})
+            self.errors["bad_request"] += 1
+            self.hub.send(peer, Error(rid, str(exc), "bad_request"))
             return
         self._route(peer, rid, prompt, params, decode, prefill)
 
@@ -172,40 +227,42 @@ class Router:
         eager = admits_at_once(decode, row_len, self.config)
         decode.assigned += row_len
         decode.routed += 1
-        req = {"t": "req", "rid": rid, "prompt": pack_ids(prompt), "params": params.to_dict(),
-               "prefill": route.prefill, "prefill_addr": prefill.kv_addr if prefill else "",
-               "decode": decode.name, "eager": eager}
+        req = Req(rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
+                  prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
+                  eager=eager)
         self._send_worker(decode.name, req)
         if prefill is not None:
             prefill.assigned += len(prompt)
             self._send_worker(prefill.name, req)
 
-    def _on_abort(self, peer: bytes, msg: dict) -> None:
-        route = self.routes.get(msg["rid"])
+    def _on_abort(self, peer: bytes, msg: Abort) -> None:
+        route = self.routes.get(msg.rid)
         if route is None or route.client != peer:
-            self.hub.send(peer, {"t": "error", "rid": msg["rid"],
-                                 "error": f"abort: unknown rid {msg['rid']!r} (not in flight)"})
+            self.errors["unknown_rid"] += 1
+            self.hub.send(peer, Error(msg.rid, f"abort: unknown rid {msg.rid!r} (not in "
+                                      "flight)", "unknown_rid"))
             return
-        route.extra["aborted_by_client"] = True
+        route.aborted_by_client = True
         for name in (route.decode, route.prefill):
             if name:
-                self._send_worker(name, {"t": "abort", "rid": route.rid})
+                self._send_worker(name, Abort(route.rid))
 
-    def _on_status(self, peer: bytes, msg: dict) -> None:
-        self.hub.send(peer, {"t": "status", "workers": {
-            w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
-            for w in self.workers.values()}, "in_flight": len(self.routes),
-            "config": self.config.to_dict()})
+    def _on_status(self, peer: bytes, msg: Status) -> None:
+        self.hub.send(peer, StatusReport(
+            workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
+                     for w in self.workers.values()},
+            in_flight=len(self.routes), config=self.config.to_dict(),
+            errors=dict(self.errors)))
 
-    def _on_shutdown(self, peer: bytes, msg: dict) -> None:
+    def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
         logger.info("router: shutdown requested")
         self.shutdown_by, self.t_shutdown = peer, time.monotonic()
         for w in self.workers.values():
             if not w.lost:
-                self.hub.send(w.peer, {"t": "shutdown"})
+                self.hub.send(w.peer, Shutdown())
 
-    def _on_ping(self, peer: bytes, msg: dict) -> None:
-        self.hub.send(peer, {"t": "pong"})
+    def _on_ping(self, peer: bytes, msg: Ping) -> None:
+        self.hub.send(peer, Pong())
 
     # -- helpers -------------------------------------------------------------------------
     def _release(self, name: str, tokens: int) -> None:
@@ -214,7 +271,7 @@ class Router:
             w.assigned = max(0, w.assigned - tokens)
             w.routed = max(0, w.routed - 1)
 
-    def _send_worker(self, name: str, msg: dict) -> None:
+    def _send_worker(self, name: str, msg: Message) -> None:
         w = self.workers.get(name)
         if w is not None and not w.lost and not self.hub.send(w.peer, msg):
             self._lose(w, "unreachable")
@@ -223,31 +280,35 @@ class Router:
         done = route.decode_done
         if done is None or (route.prefill and route.prefill_info is None and not force):
             return
-        info = route.prefill_info or {}
-        out = {**done, "t": "done"}
-        if route.extra.get("aborted_by_client") and done["reason"] not in ("stop", "length"):
-            out["reason"] = "aborted"   # a race with the peer's abort may say "error"
-        for key in ("xfer_s", "kv_bytes"):
-            if key in info:
-                out[key] = info[key]
-        if "error" in info and done["reason"] not in ("stop", "length"):
-            # the prefill's words name the cause; the decode's only say the transfer ended
-            out["error"] = info["error"] + (f" (decode: {done['error']})"
-                                            if done.get("error") else "")
-        if "t_finish_wall" in info and "t_kv_wall" in route.extra:
-            # exposed transfer: prefill's last chunk computed -> decode holds KV + token
-            out["xfer_s"] = max(0.0, route.extra["t_kv_wall"] - info["t_finish_wall"])
-        self.hub.send(route.client, out)
+        self.hub.send(route.client, self._final(route, done, route.prefill_info))
         del self.routes[route.rid]
+
+    @staticmethod
+    def _final(route: Route, done: Done, info: Prefilled | None) -> Done:
+        """The client's ``Done``: the decode's, with the prefill's figures and words."""
+        out = done
+        if route.aborted_by_client and not done.ok:
+            out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
+        if info is None:
+            return out
+        out = dataclasses.replace(out, xfer_s=info.xfer_s, kv_bytes=info.kv_bytes)
+        if info.error and not done.ok:
+            # the prefill's words name the cause; the decode's only say the transfer ended
+            out = dataclasses.replace(out, error=info.error + (
+                f" (decode: {done.error})" if done.error else ""))
+        if info.t_finish_wall and route.t_kv_wall:
+            # exposed transfer: prefill's last chunk computed -> decode holds KV + token
+            out = dataclasses.replace(out, xfer_s=max(0.0, route.t_kv_wall
+                                                      - info.t_finish_wall))
+        return out
 
     def _fail(self, route: Route, reason: str, error: str) -> None:
         for name in (route.decode, route.prefill):
             if name and route.decode_done is None:
-                self._send_worker(name, {"t": "abort", "rid": route.rid})
+                self._send_worker(name, Abort(route.rid))
         self._release(route.decode, route.row_len if route.decode_done is None else 0)
         self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
-        self.hub.send(route.client, {"t": "done", "rid": route.rid, "reason": reason,
-                                     "error": error})
+        self.hub.send(route.client, Done(route.rid, reason, error=error))
         del self.routes[route.rid]
 
     def _lose(self, w: WorkerInfo, why: str) -> None:
@@ -264,7 +325,7 @@ class Router:
             self._next_ping = now + self.config.heartbeat_s
             for w in self.workers.values():
                 if not w.lost:
-                    self.hub.send(w.peer, {"t": "ping"})
+                    self.hub.send(w.peer, Ping())
         for w in list(self.workers.values()):
             if not w.lost and now - w.last_seen > self.config.lease_s:
                 self._lose(w, f"silent for {now - w.last_seen:.1f}s")
@@ -281,8 +342,8 @@ class Router:
         live = [w for w in self.workers.values() if not w.lost]
         waited = time.monotonic() - self.t_shutdown
         if all(w.stats is not None for w in live) or waited > self.config.lease_s:
-            self.hub.send(self.shutdown_by, {"t": "bye", "stats": {
-                w.name: {"role": w.role, **(w.stats or {})} for w in self.workers.values()}})
+            self.hub.send(self.shutdown_by, Bye({
+                w.name: {"role": w.role, **(w.stats or {})} for w in self.workers.values()}))
             return True
         return False
 

@@ -112,8 +112,8 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
     client = Client(args.router, "pdkv-run")
     try:
         status = client.status(10.0)
-        workers = status["workers"]
-        vocab = ServeConfig.from_dict(status["config"]).model_config().vocab_size
+        workers = status.workers
+        vocab = ServeConfig.from_dict(status.config).model_config().vocab_size
         requests = make_workload(workload_from_args(args), vocab)
         t0 = time.monotonic()
         results = drive(client, requests, progress=_progress_line if progress else None)

@@ -27,9 +27,10 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from common.codec import unpack_ids
 from common.host import close_offloader, host_salt, make_offloader
 from common.kv import ceil_div
-from common.node import WorkerBase, unpack_ids
+from common.node import Load, Prefilled, Req, WorkerBase
 from common.request import ReqState, SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
@@ -90,19 +91,16 @@ class PrefillWorker(WorkerBase):
         self.report_ready(kv_advertise or self.sender.address)
 
     # -- control -------------------------------------------------------------------------
-    def handle(self, msg: dict) -> None:
-        if msg["t"] == "req":
-            rid = msg["rid"]
-            req = PrefillReq(rid, unpack_ids(msg["prompt"]),
-                             SamplingParams.from_dict(msg["params"]))
-            req.announced = rid in self.early_ready
-            req.eager = bool(msg.get("eager", False))
-            self.early_ready.discard(rid)
-            self.reqs[rid] = req
-        elif msg["t"] == "abort":
-            self._abort(msg["rid"])
+    def on_req(self, msg: Req) -> None:
+        rid = msg.rid
+        req = PrefillReq(rid, unpack_ids(msg.prompt).tolist(),
+                         SamplingParams.from_dict(msg.params))
+        req.announced = rid in self.early_ready
+        req.eager = msg.eager
+        self.early_ready.discard(rid)
+        self.reqs[rid] = req
 
-    def _abort(self, rid: str) -> None:
+    def on_abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
         if req is None:
             self.dropped.append(rid)
@@ -232,16 +230,15 @@ class PrefillWorker(WorkerBase):
             self.cache.close_row(kv)
         kind = "sent" if reason == "sent" else ("aborted" if reason == "aborted" else "failed")
         self.counts[kind] += 1
-        msg = {"t": "prefilled", "rid": req.rid, "reason": reason}
+        msg = Prefilled(req.rid, reason, error=detail)
         if reason == "sent":
             self.counts["prompt_tokens"] += len(req.prompt)
             self.windows.append((req.t_first_send, now))
             # t_finish_wall lets the router measure last chunk -> first token at the decode
             # (same host or synchronised clocks); xfer_s (-> acknowledgement) is the fallback
-            msg.update(xfer_s=now - req.t_finish, kv_bytes=self._kv_bytes(req.num_sent_pages),
-                       t_finish_wall=time.time() - (now - req.t_finish))
-        if detail:
-            msg["error"] = detail
+            msg = Prefilled(req.rid, reason, error=detail, xfer_s=now - req.t_finish,
+                            kv_bytes=self._kv_bytes(req.num_sent_pages),
+                            t_finish_wall=time.time() - (now - req.t_finish))
         req.state = ReqState.FINISHED if reason == "sent" else ReqState.ABORTED
         self.send(msg)
 
@@ -261,11 +258,11 @@ class PrefillWorker(WorkerBase):
     def sockets(self) -> list:
         return [self.sender.router.sock]
 
-    def load(self) -> dict:
+    def load(self) -> Load:
         queued = sum(len(r.prompt) for r in self.reqs.values() if r.state == ReqState.QUEUED)
-        return {"running": len(self.engine.tasks), "queued": len(self.reqs),
-                "queued_tokens": queued,
-                "free_tokens": self.cache.num_free_pages() * self.cache.page_size}
+        return Load(self.name, running=len(self.engine.tasks), queued=len(self.reqs),
+                    free_tokens=self.cache.num_free_pages() * self.cache.page_size,
+                    queued_tokens=queued)
 
     def stats(self) -> dict:
         return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),

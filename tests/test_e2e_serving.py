@@ -18,6 +18,7 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
+from common.node import Error
 from deploy.driver import drive
 from deploy.launcher import Cluster, WorkerDied
 from deploy.run import serve_workload
@@ -81,7 +82,7 @@ def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, re
     client.abort("nobody")
     errors, deadline = {}, time.monotonic() + 10
     while len(errors) < len(bad) + 1 and time.monotonic() < deadline:
-        errors.update({m["rid"]: m["error"] for m in client.poll(0.1) if m["t"] == "error"})
+        errors.update({m.rid: m.error for m in client.poll(0.1) if isinstance(m, Error)})
     for rid, (_, _, words) in bad.items():
         assert words in errors[rid], (rid, errors[rid])
     assert "unknown rid 'nobody'" in errors["nobody"]
@@ -199,7 +200,7 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                workers = client.status(0.5)["workers"]
+                workers = client.status(0.5).workers
             except TimeoutError:
                 continue
             if len(workers) == 2 and all(w["ready"] for w in workers.values()):

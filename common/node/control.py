@@ -1,123 +1,248 @@
-"""Control messages between clients, the router and workers (not the KV transport).
+"""Control messages between clients, the router and workers (the KV plane is ``transport``).
 
-Every message is one msgpack map with a type key ``"t"``; token-id lists travel as
-little-endian int32 bytes (``pack_ids``). The router binds one ROUTER socket; workers and
-clients each connect one DEALER. Nothing is pickled.
+The router binds one ROUTER socket; every worker and client connects one DEALER
+(``common.node.link``). Each message is a frozen dataclass carried by the one msgpack
+codec (``common.codec``): on the wire one map ``{"t": <class name>, <field>: ...}``,
+nothing pickled. Prompts travel as little-endian int32 bytes (``pack_ids``); the few ids
+of a ``Tokens`` message as a list. Receivers dispatch on the message's type; a frame that
+does not decode becomes a local ``Malformed`` (never sent) that the receiver answers with
+``Error`` and counts, so no peer can crash it.
 
-| t | from -> to | keys |
+| message | from -> to | when |
 | --- | --- | --- |
-| register | worker -> router | role, name, kv_addr, pool_tokens, vocab_size, pid |
-| registered | router -> worker | config (dict), prefills ({name: kv_addr}) |
-| submit | client -> router | rid, prompt (ids), params (dict) |
-| abort | client -> router -> workers | rid |
-| req | router -> worker | rid, prompt, params, prefill, prefill_addr, decode |
-| tokens | worker -> router -> client | rid, ids, (first) |
-| done | worker -> router -> client | rid, reason, n, (xfer_s, kv_bytes, error) |
-| error | router -> client | rid, error |
-| load | worker -> router | name, running, queued, free_tokens (also a heartbeat) |
-| ping / pong | router <-> worker, client -> router | (status in pong to a client) |
-| shutdown | client -> router -> workers | |
-| stats | worker -> router -> client | name, stats (dict) |
+| ``Register`` | worker -> router | first message; answer: ``Registered``/``Error`` |
+| ``Registered`` | router -> worker | the deployment's config; the worker builds from it |
+| ``Ready`` | worker -> router | built: the router may route to it now |
+| ``Load`` | worker -> router | every ``heartbeat_s``; doubles as the worker's heartbeat |
+| ``Stats`` | worker -> router | at shutdown: the worker's final counters |
+| ``Submit`` | client -> router | a new request |
+| ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
+| ``Tokens`` | worker -> router -> client | tokens as they are generated |
+| ``Done`` | worker -> router -> client | a request ended (router adds prefill figures) |
+| ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
+| ``Abort`` | client -> router -> workers | stop a request; any stage |
+| ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
+| ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
+| ``Ping`` / ``Pong`` | router -> worker, client -> router -> client | liveness |
+| ``Shutdown`` | client -> router -> workers | stop everything cleanly |
+| ``Bye`` | router -> client | every worker's final ``Stats``, after a ``Shutdown`` |
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
+import typing
+from dataclasses import dataclass, field
 
-import msgpack
-import numpy as np
-import zmq
+from common.codec import Codec
 
-logger = logging.getLogger(__name__)
-
-
-def pack_ids(ids) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+Scalar = int | float | str | bool
+"""A value of a free-form map (config, params, stats)."""
+MAX_CONTROL_BYTES = 16 << 20
+"""Largest control frame accepted (a prompt of four million tokens)."""
 
 
-def unpack_ids(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<i4").tolist()
+# -- worker -> router ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register:
+    """A worker introduces itself; names are unique within a deployment."""
+
+    role: str
+    """prefill, decode or colocated."""
+    name: str
+    pid: int
 
 
-def encode(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+@dataclass(frozen=True)
+class Ready:
+    """The worker built its model and pool; it takes requests from now on."""
+
+    name: str
+    kv_addr: str
+    """Where decodes connect for KV (prefill); empty otherwise."""
+    pool_tokens: int
+    """Tokens of its free pool at start (the router's capacity for it)."""
 
 
-def decode(data: bytes) -> dict:
-    msg = msgpack.unpackb(data, raw=False)
-    if not isinstance(msg, dict) or "t" not in msg:
-        raise ValueError(f"control message without a type: {str(msg)[:80]}")
-    return msg
+@dataclass(frozen=True)
+class Load:
+    """Periodic load report; any message renews the worker's lease, this one keeps it
+    renewed while the worker is idle."""
+
+    name: str
+    running: int
+    queued: int
+    free_tokens: int
+    queued_tokens: int = 0
+    """Prompt tokens waiting for a row (prefill)."""
 
 
-class Link:
-    """A DEALER connected to the router: send/recv one message with a timeout, close."""
+@dataclass(frozen=True)
+class Stats:
+    """The worker's final counters (sent as it closes)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, name: str):
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, f"{name}/{uuid.uuid4().hex[:6]}".encode())
-        self.sock.connect(address)
-
-    def send(self, msg: dict) -> None:
-        self.sock.send(encode(msg))
-
-    def recv(self, timeout_s: float = 0.0) -> dict | None:
-        """The next message, or ``None`` when none came within ``timeout_s``."""
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
-        return decode(self.sock.recv())
-
-    def recv_all(self) -> list[dict]:
-        out = []
-        while (msg := self.recv(0)) is not None:
-            out.append(msg)
-        return out
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    name: str
+    stats: dict[str, Scalar]
 
 
-class Hub:
-    """The router's ROUTER socket: messages keyed by the sender's routing id."""
+@dataclass(frozen=True)
+class Prefilled:
+    """The prefill's part of ``rid`` ended: ``sent`` (the decode acknowledged every
+    page), ``aborted`` or a failure reason with ``error``."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(address)
-        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def send(self, peer: bytes, msg: dict) -> bool:
-        """False when the peer is gone (the caller decides what that means)."""
-        try:
-            self.sock.send_multipart([peer, encode(msg)])
-            return True
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            return False
-
-    def recv(self, timeout_s: float) -> tuple[bytes, dict] | None:
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
-        peer, data = self.sock.recv_multipart()
-        try:
-            return peer, decode(data)
-        except (ValueError, msgpack.ExtraData, msgpack.FormatError) as exc:
-            logger.warning("router: undecodable message from %r: %s", peer, exc)
-            return peer, {"t": "invalid", "error": str(exc)}
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    rid: str
+    reason: str
+    error: str = ""
+    xfer_s: float = 0.0
+    """Last chunk computed -> the decode's acknowledgement (seconds)."""
+    kv_bytes: int = 0
+    """Bytes of the pages the transfer carried."""
+    t_finish_wall: float = 0.0
+    """Wall clock when the last chunk was computed (0 unless sent)."""
 
 
-def wait_any(socks: list[zmq.Socket], timeout_s: float) -> bool:
-    """Block until one of ``socks`` is readable or ``timeout_s`` passed."""
-    if timeout_s <= 0:
-        return False
-    poller = zmq.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    return bool(poller.poll(int(timeout_s * 1000)))
+# -- worker -> router -> client -----------------------------------------------------------
+@dataclass(frozen=True)
+class Tokens:
+    """New output tokens of ``rid``, in order."""
+
+    rid: str
+    ids: list[int]
+    first: bool = False
+    """The first token (computed by prefill)."""
+    t_kv_wall: float = 0.0
+    """Decode -> router only: wall clock when the decode held all KV and the first
+    token (the router measures the exposed transfer with it)."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """``rid`` ended: ``stop`` or ``length`` (finished), ``aborted``, or a failure
+    (``error``, ``timeout``, ``peer_lost``) with ``error`` saying why."""
+
+    rid: str
+    reason: str
+    n: int = 0
+    """Tokens generated."""
+    error: str = ""
+    xfer_s: float = 0.0
+    """Router -> client: last prefill chunk computed -> decode holds all KV."""
+    kv_bytes: int = 0
+    """Router -> client: bytes of KV the transfer carried."""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason in ("stop", "length")
+
+
+# -- router -> worker ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registered:
+    """Answer to ``Register``: the deployment's ``ServeConfig.to_dict()``."""
+
+    config: dict[str, Scalar]
+
+
+@dataclass(frozen=True)
+class Req:
+    """A request for this worker. The router sends the same ``Req`` to the decode and
+    the prefill it chose (``prefill`` empty: a colocated worker serves it alone)."""
+
+    rid: str
+    prompt: bytes
+    """int32 token ids (``unpack_ids``)."""
+    params: dict[str, Scalar]
+    """``SamplingParams.to_dict()``, validated by the router."""
+    prefill: str
+    prefill_addr: str
+    """The prefill's KV address (the decode connects there)."""
+    decode: str
+    eager: bool = False
+    """The decode surely admits at once: the prefill may compute before the announce."""
+
+
+# -- client -> router ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    """A new request. ``params`` are sampling parameters by name (``SamplingParams``);
+    the router validates everything and answers ``Error`` for a bad request."""
+
+    rid: str
+    prompt: bytes
+    params: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Status:
+    """Ask the router for a ``StatusReport``."""
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """The router's view: each worker's role/ready/lost/pid, requests in flight, the
+    config, and the router's counters of refused messages by code."""
+
+    workers: dict[str, dict[str, Scalar]]
+    in_flight: int
+    config: dict[str, Scalar]
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Answer to ``Shutdown`` once every live worker sent its final ``Stats`` (or the
+    lease passed): stats by worker name, each with its ``role``."""
+
+    stats: dict[str, dict[str, Scalar]]
+
+
+# -- several directions -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Abort:
+    """Stop ``rid`` at any stage; every side frees what it holds (``aborted``)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class Error:
+    """A refused request (``rid`` set) or message. ``code``: ``bad_request`` (fix the
+    request and retry), ``unknown_rid``, ``refused`` (registration), ``not_registered``
+    (a worker message from a peer that did not register), ``unexpected`` (a message this
+    receiver does not take), or a codec code (``malformed``, ``unknown_type``,
+    ``missing_field``, ``bad_field``, ``oversized``, ``extra_frames``)."""
+
+    rid: str
+    error: str
+    code: str = "bad_request"
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe; a worker ignores it (it renews the router's lease), the router
+    answers ``Pong`` to a client."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Answer to a client's ``Ping``."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Client -> router: stop every worker and answer ``Bye``; router -> worker: free
+    everything, send ``Stats``, exit 0."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Not a wire message: what a receiver gets in place of a frame that did not decode
+    (``code`` and ``detail`` from the codec; ``rid`` when the frame had one)."""
+
+    code: str
+    detail: str
+    rid: str = ""
+
+
+Message = (Register | Ready | Load | Stats | Prefilled | Tokens | Done | Registered | Req
+           | Submit | Status | StatusReport | Bye | Abort | Error | Ping | Pong | Shutdown)
+CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

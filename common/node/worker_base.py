@@ -25,7 +25,21 @@ import zmq
 from common.config import ServeConfig
 from common.kv import KvCache
 from common.model import Model, ModelRunner
-from common.node.control import Link, wait_any
+from common.node.control import (
+    Abort,
+    Error,
+    Load,
+    Malformed,
+    Message,
+    Ping,
+    Ready,
+    Register,
+    Registered,
+    Req,
+    Shutdown,
+    Stats,
+)
+from common.node.link import Link, wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +73,14 @@ class WorkerBase(ABC):
 
     # -- startup -------------------------------------------------------------------------
     def _register(self, timeout_s: float) -> ServeConfig:
-        self.link.send({"t": "register", "role": self.role, "name": self.name,
-                        "pid": os.getpid()})
+        self.link.send(Register(self.role, self.name, os.getpid()))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self.link.recv(0.2)
-            if msg is None:
-                continue
-            if msg["t"] == "registered":
-                return ServeConfig.from_dict(msg["config"])
-            if msg["t"] == "error":
-                raise RuntimeError(f"{self.name}: router refused registration: "
-                                   f"{msg['error']}")
+            if isinstance(msg, Registered):
+                return ServeConfig.from_dict(msg.config)
+            if isinstance(msg, Error):
+                raise RuntimeError(f"{self.name}: router refused registration: {msg.error}")
         raise RouterLost(f"{self.name}: no answer from the router within {timeout_s}s")
 
     def make_cache(self, num_pages: int, shared_memory: bool = False
@@ -94,8 +104,7 @@ class WorkerBase(ABC):
 
     def report_ready(self, kv_addr: str = "") -> None:
         pool = self.cache.num_free_pages() * self.config.page_size if self.cache else 0
-        self.link.send({"t": "ready", "name": self.name, "kv_addr": kv_addr,
-                        "pool_tokens": pool})
+        self.link.send(Ready(self.name, kv_addr, pool))
         logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
                     kv_addr or "-")
 
@@ -117,33 +126,49 @@ class WorkerBase(ABC):
     def _control(self) -> None:
         for msg in self.link.recv_all():
             self._last_router = time.monotonic()
-            kind = msg["t"]
-            if kind == "shutdown":
-                logger.info("%s: shutdown requested", self.name)
-                self.stopping = True
-            elif kind != "ping":
-                self.handle(msg)
+            self._dispatch(msg)
         silent = time.monotonic() - self._last_router
         if silent > self.config.lease_s:
             raise RouterLost(f"{self.name}: router silent for {silent:.1f}s "
                              f"(lease {self.config.lease_s}s)")
 
+    def _dispatch(self, msg: Message | Malformed) -> None:
+        if isinstance(msg, Req):
+            self.on_req(msg)
+        elif isinstance(msg, Abort):
+            self.on_abort(msg.rid)
+        elif isinstance(msg, Shutdown):
+            logger.info("%s: shutdown requested", self.name)
+            self.stopping = True
+        elif isinstance(msg, Malformed):
+            logger.warning("%s: undecodable message from the router: %s", self.name,
+                           msg.detail)
+            self.link.send(Error(msg.rid, f"{self.name}: {msg.detail}", msg.code))
+        elif not isinstance(msg, Ping):  # a ping only renews the router's lease
+            self.link.errors["unexpected"] += 1
+            self.link.send(Error(getattr(msg, "rid", ""), f"{self.name}: a {self.role} "
+                                 f"worker does not take {type(msg).__name__}", "unexpected"))
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
-            self.link.send({"t": "load", "name": self.name, **self.load()})
+            self.link.send(self.load())
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         self.link.send(msg)
 
     def send_stats(self) -> None:
-        self.link.send({"t": "stats", "name": self.name, "stats": self.stats()})
+        self.link.send(Stats(self.name, self.stats()))
 
     # -- subclass hooks ------------------------------------------------------------------
     @abstractmethod
-    def handle(self, msg: dict) -> None:
-        """A control message from the router (req, abort)."""
+    def on_req(self, req: Req) -> None:
+        """A request routed to this worker."""
+
+    @abstractmethod
+    def on_abort(self, rid: str) -> None:
+        """The router aborts ``rid`` (client abort, or its other worker ended it)."""
 
     @abstractmethod
     def tick(self) -> bool:
@@ -153,10 +178,12 @@ class WorkerBase(ABC):
         """Extra sockets whose input should wake the idle loop."""
         return []
 
-    def load(self) -> dict:
-        return {}
+    def load(self) -> Load:
+        """The load report sent every ``heartbeat_s``."""
+        return Load(self.name, running=0, queued=0, free_tokens=0)
 
     def stats(self) -> dict:
+        """Final counters (``Stats``): names to numbers."""
         return {}
 
     def close(self) -> None:

@@ -1,0 +1,120 @@
+"""The control plane's sockets: ``Link`` (a DEALER to the router) and ``Hub`` (the
+router's ROUTER). Both carry ``common.node.control`` messages and never raise on what a
+peer sends: a frame that does not decode comes back as ``Malformed`` and is counted in
+``errors`` by code.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+
+import zmq
+
+from common.codec import DecodeError
+from common.node.control import CODEC, MAX_CONTROL_BYTES, Malformed, Message
+
+logger = logging.getLogger(__name__)
+
+
+def _decode(frame: bytes, errors: Counter) -> Message | Malformed:
+    try:
+        return CODEC.decode(frame)
+    except DecodeError as exc:
+        errors[exc.code] += 1
+        return Malformed(exc.code, exc.detail, exc.rid or "")
+
+
+class Link:
+    """A DEALER connected to the router: send, receive with a timeout, close.
+
+    Args:
+        ctx: the process's ZMQ context.
+        address: the router's address.
+        name: prefix of the socket's routing id (logs on the router side).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, name: str) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        self.sock.setsockopt(zmq.ROUTING_ID, f"{name}/{uuid.uuid4().hex[:6]}".encode())
+        self.sock.connect(address)
+        self.errors: Counter[str] = Counter()
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(CODEC.encode(msg))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Send frames as they are (tests of what a broken peer sends)."""
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout_s: float = 0.0) -> Message | Malformed | None:
+        """The next message, or ``None`` when none came within ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        frames = self.sock.recv_multipart()
+        if len(frames) != 1:
+            self.errors["extra_frames"] += 1
+            return Malformed("extra_frames", f"{len(frames)} frames, expected 1")
+        return _decode(frames[0], self.errors)
+
+    def recv_all(self) -> list[Message | Malformed]:
+        out = []
+        while (msg := self.recv(0)) is not None:
+            out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class Hub:
+    """The router's ROUTER socket: messages keyed by the sender's routing id."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        self.sock.bind(address)
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.errors: Counter[str] = Counter()
+
+    def send(self, peer: bytes, msg: Message) -> bool:
+        """False when the peer is gone (the caller decides what that means)."""
+        try:
+            self.sock.send_multipart([peer, CODEC.encode(msg)])
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
+        """(peer, message) or None when nothing came within ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        peer, *frames = self.sock.recv_multipart()
+        if len(frames) != 1:
+            self.errors["extra_frames"] += 1
+            return peer, Malformed("extra_frames", f"{len(frames)} frames, expected 1")
+        msg = _decode(frames[0], self.errors)
+        if isinstance(msg, Malformed):
+            logger.warning("router: undecodable message from %r: %s", peer, msg.detail)
+        return peer, msg
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def wait_any(socks: list[zmq.Socket], timeout_s: float) -> bool:
+    """Block until one of ``socks`` is readable or ``timeout_s`` passed."""
+    if timeout_s <= 0:
+        return False
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    return bool(poller.poll(int(timeout_s * 1000)))

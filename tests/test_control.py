@@ -1,0 +1,146 @@
+"""The control plane: typed messages through the one codec, and a router that answers
+whatever a peer sends (real ZMQ sockets, the router in this process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+
+from common.codec import pack_ids
+from common.config import ServeConfig
+from common.node import (
+    CODEC,
+    Done,
+    Error,
+    Link,
+    Malformed,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    Req,
+    Status,
+    StatusReport,
+    Submit,
+    Tokens,
+)
+from common.node.control import MAX_CONTROL_BYTES
+from deploy.router import Router
+
+SAMPLES: list[Message] = [
+    Register("decode", "d0", 123),
+    Registered(ServeConfig().to_dict()),
+    Req("r1", pack_ids([1, 2, 3]), {"max_new_tokens": 4, "temperature": 0.5}, "p0",
+        "ipc:///tmp/x", "d0", eager=True),
+    Tokens("r1", [5, 6], first=True, t_kv_wall=1.5),
+    Done("r1", "length", n=2, xfer_s=0.25, kv_bytes=4096),
+    Submit("r1", pack_ids([7]), {"max_new_tokens": 2}),
+    StatusReport({"d0": {"role": "decode", "ready": True, "pid": 9}}, 3, {"page_size": 16},
+                 {"malformed": 1}),
+    Status(), Ping(), Pong(),
+]
+
+
+def test_every_message_type_is_documented_and_round_trips():
+    from common.node import control
+    types = typing.get_args(control.Message)
+    table = control.__doc__
+    for cls in types:
+        assert f"``{cls.__name__}``" in table, f"{cls.__name__} missing from the table"
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), cls
+    assert {type(m) for m in SAMPLES} <= set(types)
+    for msg in SAMPLES:
+        assert CODEC.decode(CODEC.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"t": "Register", "role": "decode", "name": "d0"}, "missing_field"),
+    ({"t": "Register", "role": "decode", "name": "d0", "pid": "7"}, "bad_field"),
+    ({"t": "Submit", "rid": "r", "prompt": b"", "params": {"n": None}}, "bad_field"),
+    ({"t": "Tokens", "rid": "r", "ids": [1, True]}, "bad_field"),
+    ({"t": "Exec", "rid": "r"}, "unknown_type"),
+])
+def test_a_message_that_breaks_its_schema_is_refused_with_a_code(body, code):
+    with pytest.raises(ValueError) as info:
+        CODEC.decode(msgpack.packb(body))
+    assert info.value.code == code
+
+
+@pytest.fixture
+def router(tmp_path):
+    r = Router(f"ipc://{tmp_path}/router.sock", ServeConfig(page_size=4))
+    yield r
+    r.hub.close()
+    r.ctx.term()
+
+
+@pytest.fixture
+def peer(router):
+    link = Link(router.ctx, router.address, "peer")
+    yield link
+    link.close()
+
+
+def _exchange(router: Router, peer: Link) -> Message | Malformed:
+    """Let the router take one message and answer; returns the answer."""
+    item = router.hub.recv(5.0)
+    assert item is not None, "the router got nothing"
+    router.dispatch(*item)
+    got = peer.recv(5.0)
+    assert got is not None, "no answer from the router"
+    return got
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([b"one", b"two"], "extra_frames"),
+    ([b"\xc1\xc1 not msgpack"], "malformed"),
+    ([msgpack.packb([1, 2])], "malformed"),
+    ([msgpack.packb({"t": "Frobnicate"})], "unknown_type"),
+    ([msgpack.packb({"t": "Submit", "rid": "r9", "prompt": 5})], "bad_field"),
+])
+def test_the_router_answers_a_broken_frame_with_an_error_and_counts_it(router, peer,
+                                                                       frames, code):
+    peer.send_raw(frames)
+    answer = _exchange(router, peer)
+    assert isinstance(answer, Error) and answer.code == code, answer
+    if code == "bad_field":
+        assert answer.rid == "r9"   # the client learns which request was refused
+    peer.send(Status())
+    report = _exchange(router, peer)   # and it serves on
+    assert isinstance(report, StatusReport) and report.errors == {code: 1}
+
+
+def test_worker_messages_from_a_peer_that_never_registered_are_refused(router, peer):
+    peer.send(Done("r1", "length", n=3))
+    answer = _exchange(router, peer)
+    assert isinstance(answer, Error) and answer.code == "not_registered", answer
+    peer.send(Registered({}))   # a router -> worker message sent to the router
+    answer = _exchange(router, peer)
+    assert isinstance(answer, Error) and answer.code == "unexpected", answer
+
+
+def test_a_bad_submit_is_an_error_naming_the_problem(router, peer):
+    peer.send(Submit("r1", pack_ids([1, 2]), {"top_q": 1}))
+    answer = _exchange(router, peer)
+    assert isinstance(answer, Error) and answer.rid == "r1"
+    assert "unknown sampling parameters" in answer.error
+    peer.send(Submit("r2", b"\x01\x02\x03", {}))   # not a whole number of int32s
+    answer = _exchange(router, peer)
+    assert isinstance(answer, Error) and "int32" in answer.error
+
+
+def test_control_frames_are_bounded():
+    assert MAX_CONTROL_BYTES >= 4 * 1_000_000   # a million-token prompt fits
+    big = Submit("r", b"\0" * (MAX_CONTROL_BYTES + 1))
+    with pytest.raises(ValueError) as info:
+        CODEC.decode(CODEC.encode(big))
+    assert info.value.code == "oversized"
+
+
+def test_messages_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Done("r", "stop").reason = "length"
