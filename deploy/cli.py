@@ -15,7 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_bench(sub)
     _add_serving(sub)
+    _add_keys(sub)
     return parser
+
+
+def _add_keys(sub) -> None:
+    from deploy.keys_cli import add_parser
+
+    add_parser(sub)
 
 
 def _add_replay(sub) -> None:

@@ -1,5 +1,18 @@
-"""What every worker process shares: the control messages, their sockets, the worker shell."""
+"""What every worker process shares: the control messages and their sockets, the worker
+shell, and how sockets authenticate (keys.py: a deployment's key directory; auth.py:
+CURVE/ZAP)."""
 
+from common.node.auth import (
+    INSECURE,
+    InsecureBind,
+    PlaneAuth,
+    ServerGuard,
+    check_bind,
+    control_client,
+    control_server,
+    new_kv_plane,
+    principal,
+)
 from common.node.control import (
     CODEC,
     MAX_CONTROL_BYTES,
@@ -25,10 +38,14 @@ from common.node.control import (
     Submit,
     Tokens,
 )
+from common.node.keys import Keys, KeysError, role_of
 from common.node.link import Hub, Link, wait_any
 from common.node.worker_base import RouterLost, WorkerBase, setup_process
 
-__all__ = ["CODEC", "MAX_CONTROL_BYTES", "Abort", "Bye", "Done", "Error", "Hub", "Link",
-           "Load", "Malformed", "Message", "Ping", "Pong", "Prefilled", "Ready", "Register",
-           "Registered", "Req", "RouterLost", "Scalar", "Shutdown", "Stats", "Status",
-           "StatusReport", "Submit", "Tokens", "WorkerBase", "setup_process", "wait_any"]
+__all__ = ["CODEC", "INSECURE", "MAX_CONTROL_BYTES", "Abort", "Bye", "Done", "Error", "Hub",
+           "InsecureBind", "Keys", "KeysError", "Link", "Load", "Malformed", "Message",
+           "PlaneAuth", "Ping", "Pong", "Prefilled", "Ready", "Register", "Registered",
+           "Req", "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats", "Status",
+           "StatusReport", "Submit", "Tokens", "WorkerBase", "check_bind", "control_client",
+           "control_server", "new_kv_plane", "principal", "role_of", "setup_process",
+           "wait_any"]
