@@ -1,4 +1,5 @@
-"""Control messages of the pdkv wire protocol and their one codec (msgpack).
+"""Control messages of the pdkv wire protocol, carried by the one msgpack codec
+(``common.codec``).
 
 Every message is a frozen dataclass with an explicit field list. On the wire it is one
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
@@ -13,13 +14,13 @@ wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass
 from enum import Enum
 
-import msgpack
 import numpy as np
+
+from common.codec import Codec, DecodeError, pack_ids, unpack_ids
 
 PROTOCOL_VERSION = 2  # 2: same-host shared-memory data path (KvWritten)
 MAX_HEADER_BYTES = 64 * 1024
@@ -180,20 +181,12 @@ class Error:
 
 Message = (Hello | Announce | Accepted | KvChunk | KvWritten | Done | Ack | Abort | AbortAck
            | Heartbeat | Bye | Error)
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
-_FIELD_TYPES: dict[type, dict[str, type]] = {
-    cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
-    for cls in MESSAGE_TYPES.values()}
-_OPTIONAL: dict[type, set[str]] = {
-    cls: {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    for cls in MESSAGE_TYPES.values()}
+CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_HEADER_BYTES)
 
 
 def encode(msg: Message) -> bytes:
     """One message as a msgpack map (the ``"t"`` key names its type)."""
-    body = {"t": type(msg).__name__}
-    body.update(dataclasses.asdict(msg))
-    return msgpack.packb(body, use_bin_type=True)
+    return CODEC.encode(msg)
 
 
 def decode(frame: bytes | memoryview) -> Message:
@@ -202,46 +195,21 @@ def decode(frame: bytes | memoryview) -> Message:
     Raises:
         ProtocolError: for anything but a well-formed message of a known type.
     """
-    if len(frame) > MAX_HEADER_BYTES:
-        raise ProtocolError(ErrorCode.OVERSIZED, f"control frame of {len(frame)} bytes "
-                            f"exceeds {MAX_HEADER_BYTES}")
     try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(ErrorCode.MALFORMED, f"not msgpack: {exc!r}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.MALFORMED, f"expected a map, got {type(body).__name__}")
-    kind = body.get("t")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {body.get('t')!r}")
-    return cls(**_checked_fields(cls, body))
-
-
-def _checked_fields(cls: type, body: dict) -> dict:
-    fields = {}
-    rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-    for name, want in _FIELD_TYPES[cls].items():
-        if name not in body:
-            if name in _OPTIONAL[cls]:
-                continue
-            raise ProtocolError(ErrorCode.MISSING_FIELD, f"{cls.__name__}.{name} missing", rid)
-        value = body[name]
-        # bool is an int subclass; a flag where a count is expected is still a type error
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.__name__}.{name} must be "
-                                f"{want.__name__}, got {type(value).__name__}", rid)
-        fields[name] = value
-    return fields
+        return CODEC.decode(frame)
+    except DecodeError as exc:
+        raise ProtocolError(ErrorCode(exc.code), exc.detail, exc.rid) from None
 
 
 def pages_to_bytes(pages: np.ndarray | typing.Sequence[int]) -> bytes:
     """Page ids as the wire carries them: little-endian int32."""
-    return np.asarray(pages, dtype="<i4").tobytes()
+    return pack_ids(pages)
 
 
 def pages_from_bytes(data: bytes, what: str = "pages") -> np.ndarray:
-    """Inverse of ``pages_to_bytes``; raises ``ProtocolError`` on a ragged length."""
-    if len(data) % 4:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what}: {len(data)} bytes is not int32s")
-    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+    """Inverse of ``pages_to_bytes`` (int64 copy); raises ``ProtocolError`` on a ragged
+    length."""
+    try:
+        return unpack_ids(data, what).astype(np.int64)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
