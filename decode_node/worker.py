@@ -151,7 +151,7 @@ class DecodeWorker(WorkerBase):
 
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
-        lost = group is not None and any(self.rx.peers[k].lost for k in self.rx.groups[group])
+        lost = group is not None and self.rx.group_lost(group)
         if group is None or lost:
             group = self.groups[prefill] = self.rx.connect(addr)
         return group
@@ -198,7 +198,7 @@ class DecodeWorker(WorkerBase):
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
-        return [s.sock for s in self.rx.sockets.values()]
+        return self.rx.sockets()
 
     def load(self) -> Load:
         return self.side.load()

@@ -256,7 +256,7 @@ class PrefillWorker(WorkerBase):
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
-        return [self.sender.router.sock]
+        return self.sender.sockets()
 
     def load(self) -> Load:
         queued = sum(len(r.prompt) for r in self.reqs.values() if r.state == ReqState.QUEUED)

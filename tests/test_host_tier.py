@@ -8,7 +8,8 @@ import torch
 
 from common import KvLayout
 from common.freelog import replay_file
-from common.host import CACHE_OWNER, CopyEngine, HostTier, copy_pages, page_runs
+from common.host import CACHE_OWNER, CopyEngine, HostTier
+from common.kv import copy_pages, page_runs
 
 
 def test_host_pool_has_its_own_allocator_log_and_page_layout(tmp_path):

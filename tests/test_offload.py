@@ -12,7 +12,8 @@ import torch
 
 from common import KvCache, KvLayout
 from common.freelog import FreeLogReader, replay_file
-from common.host import CopyEngine, CopyJob, HashChain, HostTier, Offloader, copy_pages
+from common.host import CopyEngine, CopyJob, HashChain, HostTier, Offloader
+from common.kv import copy_pages
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16",
                   num_draft_layers=1)

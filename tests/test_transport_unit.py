@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zmq
 
+from common.kv import page_runs
 from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
 from transport import EventKind, HandshakeError, KvReceiver, KvSender
-from transport.channel import coalesce
 from transport.messages import (
     Ack,
     Announce,
@@ -85,10 +85,10 @@ def test_each_decode_rank_receives_exactly_its_heads(p_size, d_size, legs):
         assert peer_ranks(8, d_size, d, p_size) == sorted(p for p, dd in legs if dd == d)
 
 
-def test_coalesce_cuts_at_gaps_and_at_the_frame_cap():
+def test_frames_are_cut_at_gaps_and_at_the_frame_cap():
     pages = np.array([3, 4, 5, 9, 10, 11, 12, 13, 2])
-    assert coalesce(pages, 3) == [(0, 3), (3, 3), (6, 2), (8, 1)]
-    assert coalesce(np.array([], np.int64), 4) == []
+    assert page_runs(pages, max_len=3) == [(3, 3, 3), (9, 9, 3), (12, 12, 2), (2, 2, 1)]
+    assert page_runs(np.array([], np.int64), max_len=4) == []
 
 
 # -- in-process pairs ----------------------------------------------------------------------
@@ -445,14 +445,15 @@ def test_shm_copy_matches_a_per_page_reference_across_gaps_and_head_slices(src_h
                                                                             dst_heads):
     import torch
 
+    from common.kv import copy_pages
     from transport.channel import PoolView
-    from transport.shm import copy_blocks, joint_runs
     src = torch.randn(16, 3, 2, 4, 4, 8)
     dst, want = torch.zeros_like(src), torch.zeros_like(src)
     sp, dp = np.array([3, 4, 5, 9, 10, 11]), np.array([7, 8, 2, 3, 4, 12])
-    assert joint_runs(sp, dp) == [(0, 2), (2, 1), (3, 2), (5, 1)]
+    assert page_runs(sp, dp) == [(3, 7, 2), (5, 2, 1), (9, 3, 2), (11, 12, 1)]
     s, d = slice(*src_heads), slice(*dst_heads)
-    copy_blocks(PoolView(src), sp, s, PoolView(dst), dp, d)
+    assert copy_pages(PoolView(src).shaped, sp, PoolView(dst).shaped, dp, src_heads=s,
+                      dst_heads=d) == 4
     for a, b in zip(sp, dp):
         want[b, :, :, :, d] = src[a, :, :, :, s]
     assert torch.equal(dst, want)
@@ -482,13 +483,13 @@ def test_shm_is_negotiated_and_falls_back_to_frames(tmp_path, shared, p_kw, othe
     import dataclasses
     pair = Pair(tmp_path, shared=shared, p_kw=p_kw)
     if other_host:
-        pair.tx.hello = dataclasses.replace(pair.tx.hello, host_id="elsewhere/boot")
+        pair.tx.link.hello = dataclasses.replace(pair.tx.hello, host_id="elsewhere/boot")
     try:
         _connect_and_transfer(pair)
-        assert bool(pair.tx.shm) == (path == "shm")
+        assert bool(pair.tx.link.shm) == (path == "shm")
         assert (pair.tx.stats["shm_writes"] > 0) == (path == "shm")
         assert (pair.tx.stats["frames_sent"] > 0) == (path == "zmq")
-        assert pair.rx.stats["frames_recv_into"] == pair.rx.stats["frames_recv"]
+        assert pair.rx.stats["frames_recv_one_run"] == pair.rx.stats["frames_recv"]
     finally:
         pair.close()
 

@@ -2,8 +2,8 @@
 
 Workers never see this module; ``KvSender``/``KvReceiver`` drive it. A new backend (CUDA
 IPC, NIXL/RDMA) implements ``DataChannel`` (how bytes of a run leave, and when the source
-pages may be touched again) and reuses ``PoolView`` and ``coalesce``; ``shm.ShmChannel``
-is the same-host example.
+pages may be touched again) and reuses ``PoolView`` and ``common.kv.page_runs``; ``shm.ShmChannel``
+is the same-host example. Every copy between pools goes through ``common.kv.copy_pages``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import zmq
+
+from common.kv import copy_pages, page_runs
 
 from .messages import KvChunk, encode
 from .sockets import RouterSocket
@@ -79,15 +80,16 @@ class ZmqChannel(DataChannel):
     def send_blocks(self, run: BlockRun) -> list[Completion]:
         heads = run.src_heads
         max_run = max(1, self.max_frame_bytes // self.pool.block_bytes(heads.stop - heads.start))
-        runs = coalesce(run.src_pages, max_run)
-        tracker = None
-        for i, (offset, length) in enumerate(runs):
-            payload = self.pool.read(int(run.src_pages[offset]), length, heads)
+        runs = page_runs(run.src_pages, max_len=max_run)
+        tracker, offset = None, 0
+        for i, (first_page, _, length) in enumerate(runs):
+            payload = self.pool.read(first_page, length, heads)
             header = encode(KvChunk(rid=run.rid, first_block=run.first_block + offset,
                                     num_blocks=length, head_start=run.heads[0],
                                     head_end=run.heads[1], nbytes=payload.nbytes))
             tracker = self.router.send(run.peer, [header, payload], track=i == len(runs) - 1)
             self.stats["bytes_sent"] += payload.nbytes
+            offset += length
         self.stats["frames_sent"] += len(runs)
         return [] if tracker is None else [tracker]
 
@@ -116,43 +118,11 @@ class PoolView:
         return np.ascontiguousarray(self.shaped[first_page:first_page + num_pages, :, :, :,
                                                 heads])
 
-    def run_view(self, first_page: int, num_pages: int) -> np.ndarray:
-        """Writable bytes of consecutive pages (all heads), to receive a frame into."""
-        return self.flat[first_page:first_page + num_pages].reshape(-1)
-
-    def write(self, dest_pages: np.ndarray, heads: slice, payload: memoryview) -> None:
-        """Scatter ``payload`` (``[len(dest_pages), ..., heads, ...]``) into ``dest_pages``."""
-        src = np.frombuffer(payload, dtype=np.uint8)
-        full = heads.stop - heads.start == self.num_heads
-        shape = self.shaped.shape[1:4] + (heads.stop - heads.start, self.shaped.shape[5])
-        src = src.reshape(len(dest_pages), -1) if full else src.reshape(-1, *shape)
-        i = 0
-        for start, length in coalesce(dest_pages, len(dest_pages)):
-            page = int(dest_pages[start])
-            if full:
-                self.flat[page:page + length] = src[i:i + length]
-            else:
-                self.shaped[page:page + length, :, :, :, heads] = src[i:i + length]
-            i += length
-
-
-def coalesce(pages: np.ndarray, max_run: int) -> list[tuple[int, int]]:
-    """Split ``pages`` into runs of consecutive ids, each at most ``max_run`` long.
-
-    Returns:
-        ``[(offset into pages, length), ...]`` covering ``pages`` in order.
-    """
-    if len(pages) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    bounds = [0, *breaks.tolist(), len(pages)]
-    runs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        for start in range(lo, hi, max_run):
-            runs.append((start, min(max_run, hi - start)))
-    return runs
-
-
-def is_unreachable(exc: zmq.ZMQError) -> bool:
-    """True when a ROUTER send failed because the peer is gone."""
-    return exc.errno == zmq.EHOSTUNREACH
+    def write(self, dest_pages: np.ndarray, heads: slice, payload: memoryview) -> int:
+        """Copy a frame (``[len(dest_pages), ..., heads, ...]``) into ``dest_pages``;
+        returns the number of runs it took (1 for consecutive pages)."""
+        shape = self.shaped.shape
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(
+            len(dest_pages), *shape[1:4], heads.stop - heads.start, shape[5])
+        return copy_pages(src, np.arange(len(dest_pages)), self.shaped, dest_pages,
+                          dst_heads=heads)

@@ -1,11 +1,10 @@
-"""What ``poll`` hands back to a worker, and the lease each peer holds."""
+"""What ``poll`` hands back to a worker."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from enum import IntEnum
-
-from .messages import Hello
 
 
 class EventKind(IntEnum):
@@ -43,21 +42,21 @@ class Event:
     peer: str = ""
 
 
-@dataclass
-class Peer:
-    """A connected, handshaken peer and its lease."""
+class EventLog:
+    """The events an endpoint owes its worker, counted under ``events.<kind>``."""
 
-    key: bytes
-    hello: Hello
-    last_seen: float
-    next_heartbeat: float = 0.0
-    heartbeat_seq: int = 0
-    lost: bool = False
-    rids: set[str] = field(default_factory=set)
+    def __init__(self, stats: Counter):
+        self.stats = stats
+        self._events: list[Event] = []
 
-    @property
-    def name(self) -> str:
-        return f"{self.hello.node}[tp{self.hello.tp_rank}/{self.hello.tp_size}]"
+    def emit(self, kind: EventKind, rid: str = "", **kw) -> None:
+        self.add(Event(kind, rid, **kw))
 
-    def expired(self, now: float) -> bool:
-        return now - self.last_seen > self.hello.lease_ms / 1000.0
+    def add(self, event: Event) -> None:
+        self._events.append(event)
+        self.stats[f"events.{event.kind.name.lower()}"] += 1
+
+    def take(self) -> list[Event]:
+        """Every event since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events

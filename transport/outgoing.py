@@ -1,33 +1,39 @@
-"""Prefill-side state of one request in flight: its legs, pins and counters.
+"""Prefill-side state of one request in flight: its legs, pins, counters and transitions.
 
     blocks of the row (block = page = page_size positions)
     [0, cached)          decode holds these already (prefix cache): never sent
     [cached, sent)       framed and queued to every leg
     [sent, handed)       handed over by the worker and pinned, waiting for Accepted
     [handed, total)      not computed yet (a partial last page waits for ``finish``)
+
+``Outgoing`` changes only through its methods; ``KvSender`` does the I/O they call for
+(sending, pinning, unpinning, events).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
 
+from . import tp
 from .channel import Completion
+from .config import TransportConfig
+from .messages import Announce, ErrorCode, Hello, ProtocolError, pages_from_bytes
 
 
 class OutState(IntEnum):
     ASSEMBLING = 1   # waiting for every overlapping decode rank's Announce
     STREAMING = 2    # Accepted sent; chunks flow as the worker hands them over
     DONE_SENT = 3    # Done sent to every leg; waiting for their Ack
-    ABORTING = 4     # Abort sent or received; waiting for AbortAck / local I/O
-    CLOSED = 5       # final event emitted; removed once its pins are released
+    CLOSED = 4       # final event emitted (or aborted here); removed once unpinned
 
     @property
     def is_final(self) -> bool:
-        return self >= OutState.ABORTING
+        return self == OutState.CLOSED
 
 
 @dataclass
@@ -77,3 +83,138 @@ class Outgoing:
     @property
     def abort_settled(self) -> bool:
         return all(leg.abort_acked for leg in self.legs.values())
+
+    # -- admission -----------------------------------------------------------------------
+    def add_leg(self, leg: Leg, prompt_len: int, cached_blocks: int, total_blocks: int,
+                expected_legs: int) -> bool:
+        """Record one decode rank's Announce (the first fixes the shape); True once every
+        overlapping rank announced."""
+        if not self.legs:
+            self.prompt_len, self.cached_blocks = prompt_len, cached_blocks
+            self.total_blocks, self.expected_legs = total_blocks, expected_legs
+            self.t_start = time.monotonic()
+        self.legs[leg.peer] = leg
+        return len(self.legs) == self.expected_legs
+
+    def accept(self) -> None:
+        self.state = OutState.STREAMING
+        self.t_progress = time.monotonic()
+
+    # -- streaming -----------------------------------------------------------------------
+    def hand_over(self, pin_id: int, pages: np.ndarray) -> None:
+        """The worker handed blocks ``[handed, handed + len(pages))``, pinned as ``pin_id``."""
+        self.pins.append(SendPin(pin_id, self.handed, self.handed + len(pages)))
+        self.src_pages = np.concatenate([self.src_pages, pages])
+
+    def unsent(self) -> tuple[int, int]:
+        """Blocks ``[first, end)`` handed over but not sent yet (empty unless STREAMING)."""
+        if self.state != OutState.STREAMING:
+            return 0, 0
+        return max(self.sent, self.cached_blocks), min(self.handed, self.total_blocks)
+
+    def mark_sent(self, end: int) -> bool:
+        """Blocks up to ``end`` are queued to every leg; True when ``Done`` is due now."""
+        self.sent = max(self.sent, end)
+        for pin in self.pins:
+            pin.flushed = pin.flushed or pin.end <= max(self.sent, self.cached_blocks)
+        return self.finished and self.sent >= self.total_blocks
+
+    def mark_done_sent(self) -> None:
+        self.state = OutState.DONE_SENT
+        self.t_progress = time.monotonic()
+
+    def ack(self, peer: bytes) -> bool:
+        """Leg ``peer`` acknowledged everything; True when the request is complete now."""
+        self.legs[peer].acked = True
+        if self.state == OutState.DONE_SENT and all(g.acked for g in self.legs.values()):
+            self.state = OutState.CLOSED
+            return True
+        return False
+
+    # -- ending --------------------------------------------------------------------------
+    def legs_to_abort(self, is_live: Callable[[bytes], bool]) -> list[Leg]:
+        """Legs that must be sent ``Abort``; legs of lost peers count as acknowledged."""
+        todo = []
+        for leg in self.legs.values():
+            if not is_live(leg.peer):
+                leg.abort_acked = True
+            elif not leg.abort_acked:
+                todo.append(leg)
+        self.t_progress = time.monotonic()
+        return todo
+
+    def close(self) -> None:
+        self.state = OutState.CLOSED
+
+    def overdue(self, now: float, cfg: TransportConfig) -> str | None:
+        """What deadline ran out (``"admission"``, ``"progress"``, ``"abort_ack"``), if any."""
+        if self.state == OutState.ASSEMBLING and now - self.t_start > cfg.admission_timeout_s:
+            return "admission"
+        if self.state in (OutState.STREAMING, OutState.DONE_SENT) and (
+                now - self.t_progress > cfg.chunk_timeout_s
+                or now - self.t_start > cfg.done_timeout_s):
+            return "progress"
+        if self.state == OutState.CLOSED and not self.abort_settled and (
+                now - self.t_progress > cfg.chunk_timeout_s):
+            return "abort_ack"
+        return None
+
+    def stop_waiting_for_abort_acks(self) -> None:
+        for leg in self.legs.values():
+            leg.abort_acked = True
+
+    def releasable_pins(self, lost: Container[bytes]) -> list[int]:
+        """Pin ids that no live peer can still read; they leave ``pins``.
+
+        A leg's completions are settled by its tracker, by its Ack (the decode holds every
+        byte, so ZMQ will not read the pages again; the tracker of a connection's last
+        frame can lag until the next message leaves) or by the peer's loss. So pins drop
+        in the very poll that reports COMPLETED, and the worker's row free is immediate.
+        """
+        settled = {k for k, g in self.legs.items() if g.acked or k in lost}
+        aborting = self.state == OutState.CLOSED and self.legs and not all(
+            g.acked for g in self.legs.values())
+        keep, free = [], []
+        for pin in self.pins:
+            busy = any(not done.done for key, done in pin.completions if key not in settled)
+            unsent = not pin.flushed and not self.state.is_final
+            if busy or unsent or (aborting and not self.abort_settled):
+                keep.append(pin)
+            else:
+                free.append(pin.pin_id)
+        self.pins = keep
+        return free
+
+    @property
+    def removable(self) -> bool:
+        return self.state == OutState.CLOSED and not self.pins
+
+
+def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
+                  out: Outgoing | None) -> Leg:
+    """The leg a decode rank's ``Announce`` asks for, checked against the prompt's shape
+    and the request's other legs.
+
+    Raises:
+        ProtocolError: page ids that do not cover the prompt, a misaligned prefix, ranks
+            that disagree, or a rank that shares no heads with this one.
+    """
+    ps = mine.page_size
+    dest = pages_from_bytes(msg.dest_pages, "Announce.dest_pages")
+    total = -(-msg.prompt_len // ps)
+    if msg.prompt_len < 1 or len(dest) != total:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"prompt_len={msg.prompt_len} needs "
+                            f"{total} dest pages, got {len(dest)}", msg.rid)
+    if msg.cached_tokens % ps or not 0 <= msg.cached_tokens <= msg.prompt_len:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"cached_tokens={msg.cached_tokens} "
+                            f"must be page-aligned and <= prompt_len", msg.rid)
+    if out is not None and out.legs and (out.prompt_len, out.cached_blocks * ps) != (
+            msg.prompt_len, msg.cached_tokens):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "decode ranks disagree on prompt_len "
+                            "or cached_tokens", msg.rid)
+    heads = tp.overlap(mine.total_kv_heads, mine.tp_size, mine.tp_rank, theirs.tp_size,
+                       theirs.tp_rank)
+    if heads is None:
+        raise ProtocolError(ErrorCode.BAD_RANGE, f"decode rank {theirs.tp_rank} shares no "
+                            f"KV heads with prefill rank {mine.tp_rank}", msg.rid)
+    return Leg(key, heads, dest)

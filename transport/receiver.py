@@ -10,31 +10,35 @@ A worker's loop::
     for ev in rx.poll(0.01):   # COMPLETED carries first_token; ABORTED/FAILED carry reason
         ...
 
-Data frames are received straight into the destination pages when a frame's pages are
-consecutive and carry all of this rank's heads (``recv_into``, one copy); otherwise the
-frame is scattered. With a shared pool (``KvCache(shared_memory=True)``) the receiver
-offers it and a same-host prefill writes the pages itself (``KvWritten``, no frame).
+Data frames are checked against the request's announce and copied once from ZMQ's
+buffer into the destination pages (``receiver_data``). With a shared pool
+(``KvCache(shared_memory=True)``) the receiver offers it and a same-host prefill writes
+the pages itself (``KvWritten``, no frame).
 
 Destination pages are pinned from ``announce`` until every sending rank is done with them;
 on ABORTED/FAILED the worker frees its row with ``event.reason`` at once (the pin defers
 the pages' release until the peer confirmed it stopped or its lease ran out).
 
-The class is layered: ``receiver_link.ReceiverLink`` (sockets, handshake, groups)
-< ``receiver_data.ReceiverData`` (frame and shared-memory data paths) < ``KvReceiver``
-(worker API, control messages, endings, pin release).
+Composed, not stacked: ``link`` (``ReceiverLink``: sockets, handshake, groups,
+heartbeats) returns what arrived as values, ``peers`` (``PeerTable``) holds leases, and
+each request's state and transitions are an ``Incoming``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 import zmq
 
+from . import handshake, tp
+from .channel import PoolView
 from .config import TransportConfig
-from .events import Event, EventKind, Peer
+from .events import Event, EventKind, EventLog
 from .incoming import Incoming, InLeg, InState
+from .link import Inbound
 from .messages import (
     Abort,
     AbortAck,
@@ -46,22 +50,22 @@ from .messages import (
     Error,
     ErrorCode,
     Heartbeat,
+    Hello,
     KvChunk,
     KvWritten,
-    Message,
     ProtocolError,
-    decode,
     pages_to_bytes,
 )
-from .peers import unexpected_frames
-from .receiver_data import ReceiverData
-from .sockets import DealerSocket
+from .peers import Peer, PeerTable
+from .receiver_data import land_chunk
+from .receiver_link import ReceiverLink
 
 logger = logging.getLogger(__name__)
 
 
-class KvReceiver(ReceiverData):
-    """Decode endpoint.
+class KvReceiver:
+    """Decode endpoint. Poll-driven, single-threaded, not thread-safe: call ``poll`` at
+    least once per heartbeat interval (every wait is checked there).
 
     Args:
         cache: this rank's ``KvCache`` (``layout.num_kv_heads`` = heads of this rank).
@@ -70,10 +74,39 @@ class KvReceiver(ReceiverData):
     """
 
     def __init__(self, cache, config: TransportConfig, ctx: zmq.Context | None = None):
-        super().__init__(cache, config, ctx)
+        self.config, self.cache = config, cache
+        self.stats: Counter[str] = Counter()
+        self.events = EventLog(self.stats)
+        self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
         self.transfers: dict[str, Incoming] = {}
+        self.pool = PoolView(cache.data())
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        shm_name = getattr(cache, "shared_memory_name", lambda: None)() or ""
+        hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
+                                     shm_pool=shm_name, shm_pages=cache.num_pages)
+        self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats)
 
-    # -- worker API (``connect`` is ``ReceiverLink.connect``) ------------------------------
+    @property
+    def hello(self) -> Hello:
+        return self.link.hello
+
+    # -- worker API ----------------------------------------------------------------------
+    def connect(self, addresses: list[str] | str) -> int:
+        """Connect to every rank of one prefill TP group and handshake with each.
+
+        Returns:
+            the group id to pass to ``announce``.
+        Raises:
+            HandshakeError: a rank's version, model, layout or TP setup differs.
+            TimeoutError: a rank did not answer within ``handshake_timeout_s``.
+        """
+        return self.link.connect(addresses)
+
+    def group_lost(self, group: int) -> bool:
+        """True when a rank of ``group`` is lost: ``connect`` it again before announcing."""
+        return self.link.group_lost(group)
+
     def announce(self, rid: str, kv, prompt_len: int, cached_tokens: int = 0,
                  group: int = 0) -> None:
         """Ask ``group`` to stream positions ``[cached_tokens, prompt_len)`` into ``kv``.
@@ -89,17 +122,17 @@ class KvReceiver(ReceiverData):
         if rid in self.transfers or cached_tokens % ps or not 0 <= cached_tokens <= prompt_len:
             raise ValueError(f"announce {rid!r}: in flight or cached_tokens={cached_tokens} "
                              f"not page-aligned within prompt_len={prompt_len}")
-        legs = self._legs_for(group)
+        legs = {key: InLeg(key, heads) for key, heads in self.link.legs_for(group).items()}
         dest = np.asarray(self.cache.pages(kv, 0, prompt_len), np.int64)
         todo = dest[cached_tokens // ps:]
         pin = self.cache.pin_pages(todo, reason="receive") if len(todo) else None
-        inc = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest, pin, legs)
-        self.transfers[rid] = inc
+        self.transfers[rid] = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest, pin,
+                                       legs)
         msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
                        dest_pages=pages_to_bytes(dest))
         for key in legs:
             self.peers[key].rids.add(rid)
-            self._send(key, msg)
+            self.link.send(key, msg)
 
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards its prefill ranks; the destination pin stays until each
@@ -108,7 +141,7 @@ class KvReceiver(ReceiverData):
         if inc is None or inc.state == InState.CLOSED:
             return False
         self._abort_legs(inc, reason, detail)
-        inc.state = InState.CLOSED
+        inc.close()
         return True
 
     def poll(self, timeout_s: float = 0.0) -> list[Event]:
@@ -118,13 +151,26 @@ class KvReceiver(ReceiverData):
         Returns:
             events since the last call, oldest first.
         """
-        self._poll_sockets(timeout_s)
+        polled = self.link.poll(timeout_s)
+        for item in polled.inbound:
+            try:
+                if item.error is not None:
+                    raise item.error
+                self._on_message(item)
+            except ProtocolError as exc:
+                self.link.send_error(item.peer.key, item.peer.name, exc)
+                self._fail_rid(exc.rid, "error", str(exc))
+        for peer, why, clean in polled.lost:
+            self._lose(peer, why, clean)
         now = time.monotonic()
-        self._tick_peers(now)
         for inc in list(self.transfers.values()):
             self._check_deadlines(inc, now)
             self._maybe_release(inc)
-        return self._take_events()
+        return self.events.take()
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets a worker's loop may wait on (readable: call ``poll``)."""
+        return [s.sock for s in self.link.sockets.values()]
 
     @property
     def num_pins(self) -> int:
@@ -132,92 +178,101 @@ class KvReceiver(ReceiverData):
 
     def close(self) -> None:
         """Say Bye to every prefill rank, drop all pins, close sockets (``linger=0``)."""
-        self._say_bye()
+        for peer in self.peers.values():
+            if not peer.lost:
+                self.link.send(peer.key, Bye(reason="closing"))
         for inc in self.transfers.values():
             if inc.pin_id is not None:
                 self.cache.unpin(inc.pin_id)
         self.transfers.clear()
-        self._close_link()
+        self.link.close()
+        if self._own_ctx:
+            self._ctx.term()
 
-    # -- control messages ----------------------------------------------------------------
-    def _dispatch(self, peer: Peer, sock: DealerSocket, head: bytes) -> None:
-        msg = decode(head)
-        if isinstance(msg, KvChunk):
-            self._on_chunk(peer, msg, sock)
-            return
-        if sock.more():
-            raise unexpected_frames(msg, sock.skip_rest())
-        if isinstance(msg, KvWritten):
-            self._on_written(peer, msg)
+    # -- what the link found -------------------------------------------------------------
+    def _on_message(self, item: Inbound) -> None:
+        peer, msg = item.peer, item.msg
+        if isinstance(msg, (KvChunk, KvWritten, Accepted, Done, Abort)):
+            inc = self._incoming(peer, msg.rid)
+            if inc is not None:
+                self._on_request_msg(peer, inc, item)
+            elif isinstance(msg, Abort):
+                self.link.send(peer.key, AbortAck(rid=msg.rid))
         elif isinstance(msg, AbortAck):
             inc = self.transfers.get(msg.rid)
             if inc is not None and peer.key in inc.legs:
                 inc.legs[peer.key].abort_acked = True
             else:
                 self.stats["late_msgs"] += 1
-        elif isinstance(msg, (Accepted, Done, Abort)):
-            inc = self._incoming(peer, msg.rid)
-            if inc is not None:
-                self._on_request_msg(peer, inc, msg)
-            elif isinstance(msg, Abort):
-                self._send(peer.key, AbortAck(rid=msg.rid))
-        elif isinstance(msg, Bye):
-            self._lose(peer, f"said Bye ({msg.reason})", clean=True)
         elif isinstance(msg, Error):
-            self._peer_error(peer, msg)
+            self.stats["errors_recv"] += 1
+            logger.warning("%s: peer %s reports %r: %r", self.config.node, peer.name,
+                           msg.code, msg.detail)
             self._fail_rid(msg.rid, "error", f"peer error {msg.code}: {msg.detail}")
         elif not isinstance(msg, Heartbeat):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{type(msg).__name__} is not sent to "
                                 "a decode endpoint")
 
-    def _on_request_msg(self, peer: Peer, inc: Incoming, msg: Message) -> None:
-        leg = inc.legs[peer.key]
-        inc.t_progress = time.monotonic()
-        if isinstance(msg, Accepted):
-            leg.accepted = True
-            if all(g.accepted for g in inc.legs.values()):
-                inc.state = InState.STREAMING
+    def _incoming(self, peer: Peer, rid: str) -> Incoming | None:
+        """The open request ``rid`` that ``peer`` serves; None for a recently closed rid.
+
+        Raises:
+            ProtocolError: ``rid`` was never announced to ``peer``.
+        """
+        inc = self.transfers.get(rid)
+        if inc is not None and peer.key in inc.legs and inc.state != InState.CLOSED:
+            return inc
+        if self.peers.recently_closed(rid) or (inc is not None and peer.key in inc.legs):
+            self.stats["late_msgs"] += 1
+            return None
+        raise ProtocolError(ErrorCode.UNKNOWN_RID, f"unknown rid {rid!r}", None)
+
+    def _on_request_msg(self, peer: Peer, inc: Incoming, item: Inbound) -> None:
+        msg = item.msg
+        if isinstance(msg, KvChunk):
+            self._on_chunk(peer, inc, msg, item.data)
+        elif isinstance(msg, KvWritten):
+            if not (self.hello.shm_pool and peer.hello.shm_pool == self.hello.shm_pool):
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, "
+                                    "which did not map our pool", msg.rid)
+            inc.count_blocks(inc.leg_for_blocks(peer.key, msg), msg.num_blocks)
+            self.stats["shm_writes_recv"] += 1
+        elif isinstance(msg, Accepted):
+            inc.accept(peer.key)
         elif isinstance(msg, Done):
-            self._on_done(inc, leg, msg)
+            first_token = inc.done(peer.key, msg)
+            if first_token is not None:
+                for key in inc.legs:
+                    self.link.send(key, Ack(rid=inc.rid))
+                self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token)
         elif isinstance(msg, Abort):
             self.stats["aborts_recv"] += 1
-            leg.abort_acked = True
-            self._send(peer.key, AbortAck(rid=inc.rid))
+            inc.legs[peer.key].abort_acked = True
+            self.link.send(peer.key, AbortAck(rid=inc.rid))
             self._abort_legs(inc, msg.reason, msg.detail)
-            self._close(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
+            self._end(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
 
-    def _on_done(self, inc: Incoming, leg: InLeg, msg: Done) -> None:
-        want = inc.total_blocks - inc.cached_blocks
-        if msg.num_blocks != want or leg.blocks_received != want:
-            raise ProtocolError(ErrorCode.BAD_RANGE, f"Done after {leg.blocks_received} "
-                                f"blocks (says {msg.num_blocks}), expected {want}", inc.rid)
-        leg.done, leg.first_token = True, msg.first_token
-        if not all(g.done for g in inc.legs.values()):
-            return
-        tokens = {g.first_token for g in inc.legs.values()}
-        if len(tokens) != 1:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"prefill ranks disagree on the first "
-                                f"token: {sorted(tokens)}", inc.rid)
-        for key in inc.legs:
-            self._send(key, Ack(rid=inc.rid))
-        self._close(inc, EventKind.COMPLETED, "", "", first_token=tokens.pop())
+    def _on_chunk(self, peer: Peer, inc: Incoming, msg: KvChunk, data: list) -> None:
+        leg = inc.leg_for_blocks(peer.key, msg)
+        h = self.hello
+        heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
+        nbytes, runs = land_chunk(self.pool, inc, leg, heads, msg, data)
+        inc.count_blocks(leg, msg.num_blocks)
+        self.stats["frames_recv"] += 1
+        self.stats["frames_recv_one_run"] += runs == 1
+        self.stats["bytes_recv"] += nbytes
 
-    # -- ending ------------------------------------------------------------------------
+    # -- endings -------------------------------------------------------------------------
     def _abort_legs(self, inc: Incoming, reason: str, detail: str) -> None:
-        for key, leg in inc.legs.items():
-            peer = self.peers[key]
-            if peer.lost or leg.done:
-                leg.abort_acked = True
-            elif not leg.abort_acked:
-                self.stats["aborts_sent"] += 1
-                self._send(key, Abort(rid=inc.rid, reason=reason, detail=detail))
-        inc.t_progress = time.monotonic()
+        for key in inc.legs_to_abort(lambda k: self.peers.live(k) is not None):
+            self.stats["aborts_sent"] += 1
+            self.link.send(key, Abort(rid=inc.rid, reason=reason, detail=detail))
 
-    def _close(self, inc: Incoming, kind: EventKind, reason: str, detail: str,
-               first_token: int | None = None) -> None:
-        inc.state = InState.CLOSED
-        self._emit(kind, inc.rid, reason=reason, detail=detail, first_token=first_token,
-                   prompt_len=inc.prompt_len)
+    def _end(self, inc: Incoming, kind: EventKind, reason: str, detail: str,
+             first_token: int | None = None) -> None:
+        inc.close()
+        self.events.emit(kind, inc.rid, reason=reason, detail=detail,
+                         first_token=first_token, prompt_len=inc.prompt_len)
 
     def _fail_rid(self, rid: str | None, reason: str, detail: str) -> None:
         inc = self.transfers.get(rid or "")
@@ -225,30 +280,36 @@ class KvReceiver(ReceiverData):
             return
         logger.warning("%s: %s failed (%s): %s", self.config.node, inc.rid, reason, detail)
         self._abort_legs(inc, reason, detail)
-        self._close(inc, EventKind.FAILED, reason, detail)
+        self._end(inc, EventKind.FAILED, reason, detail)
 
     def _check_deadlines(self, inc: Incoming, now: float) -> None:
-        cfg = self.config
-        if inc.state == InState.ANNOUNCED and now - inc.t_start > cfg.admission_timeout_s:
+        cfg, what = self.config, inc.overdue(now, self.config)
+        if what == "admission":
             self.stats["timeouts.admission"] += 1
             self._fail_rid(inc.rid, "timeout", f"not accepted within "
                            f"{cfg.admission_timeout_s}s")
-        elif inc.state == InState.STREAMING and (now - inc.t_progress > cfg.chunk_timeout_s
-                                                 or now - inc.t_start > cfg.done_timeout_s):
+        elif what == "progress":
             self.stats["timeouts.progress"] += 1
             self._fail_rid(inc.rid, "timeout", f"no chunk for {now - inc.t_progress:.1f}s")
-        elif inc.state == InState.CLOSED and not inc.abort_settled and (
-                now - inc.t_progress > cfg.chunk_timeout_s):
-            self._stop_waiting_for_abort_acks(inc)
+        elif what == "abort_ack":  # stop waiting, so the pin goes
+            self.stats["timeouts.abort_ack"] += 1
+            inc.stop_waiting_for_abort_acks()
 
     def _maybe_release(self, inc: Incoming) -> None:
-        if inc.state != InState.CLOSED or not inc.abort_settled:
+        if not inc.releasable:
             return
         if inc.pin_id is not None:
             self.cache.unpin(inc.pin_id)
         del self.transfers[inc.rid]
-        self._remember_closed(inc.rid)
+        self.peers.remember_closed(inc.rid)
 
-    def _on_peer_lost(self, peer: Peer, why: str) -> None:
-        for rid in self._legs_lost_with(peer):
-            self._fail_rid(rid, "peer_lost", f"prefill {peer.name} lost: {why}")
+    def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
+        """``peer`` is gone: its legs count as abort-acked, its open requests fail."""
+        if peer.lost:
+            return
+        for rid in self.peers.mark_lost(peer, why, clean):
+            inc = self.transfers.get(rid)
+            if inc is not None and peer.key in inc.legs:
+                inc.legs[peer.key].abort_acked = True
+                self._fail_rid(rid, "peer_lost", f"prefill {peer.name} lost: {why}")
+        self.events.emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)

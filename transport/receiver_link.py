@@ -1,57 +1,55 @@
 """``ReceiverLink``: the decode endpoint's sockets and peers - one DEALER per prefill
-rank, the handshake it starts, prefill TP groups, and draining each socket.
+rank, the handshake it starts, prefill TP groups, heartbeats and leases.
 
-Pins nothing and frees nothing; ``KvReceiver.announce`` pins destination pages and the
-legs it gets from ``_legs_for`` decide who must be done with them.
+A member of ``KvReceiver``. Pins nothing and frees nothing; ``poll`` hands back each
+message with its data frame still in ZMQ's buffer, so that the receiver checks it
+against the request before any byte lands in the pool.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from abc import abstractmethod
+from collections import Counter
 
 import zmq
 
 from . import handshake, tp
-from .channel import PoolView
 from .config import TransportConfig
-from .events import Peer
-from .incoming import InLeg
-from .messages import Error, Hello, Message, ProtocolError, decode, encode
-from .peers import Endpoint
+from .link import Inbound, LinkPoll, count_error, parse
+from .messages import Bye, Error, Heartbeat, Hello, Message, ProtocolError, decode, encode
+from .peers import PeerTable
 from .sockets import DealerSocket
 
 logger = logging.getLogger(__name__)
+# One poll takes at most this many messages off one socket, so a fast sender cannot keep
+# a drain going (and its frames piling up here) while leases and deadlines wait.
+MAX_DRAIN = 256
 
 
-class ReceiverLink(Endpoint):
-    """Connect and handshake prefill groups; route each socket's messages to ``_dispatch``."""
+class ReceiverLink:
+    """Connect and handshake prefill groups; hand their messages to ``poll``'s caller.
 
-    def __init__(self, cache, config: TransportConfig, ctx: zmq.Context | None = None):
-        super().__init__(config, ctx)
-        self.cache = cache
-        self.pool = PoolView(cache.data())
-        shm_name = getattr(cache, "shared_memory_name", lambda: None)() or ""
-        self.hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
-                                          shm_pool=shm_name, shm_pages=cache.num_pages)
+    Args:
+        ctx: the endpoint's ZMQ context (the caller terminates it).
+        hello: this rank's ``Hello``.
+        peers: the endpoint's peer table; the link adds peers and ticks their leases.
+    """
+
+    def __init__(self, ctx: zmq.Context, hello: Hello, config: TransportConfig,
+                 peers: PeerTable, stats: Counter):
+        self.config, self.hello, self.peers, self.stats = config, hello, peers, stats
+        self._ctx = ctx
         self.sockets: dict[bytes, DealerSocket] = {}
         self.groups: list[list[bytes]] = []
         self._poller = zmq.Poller()
 
-    @abstractmethod
-    def _dispatch(self, peer: Peer, sock: DealerSocket, head: bytes) -> None:
-        """Handle one message whose first frame is ``head``; data frames stay on ``sock``."""
-
-    @abstractmethod
-    def _fail_rid(self, rid: str | None, reason: str, detail: str) -> None:
-        """Fail request ``rid`` if it is open here."""
-
+    # -- connection ----------------------------------------------------------------------
     def connect(self, addresses: list[str] | str) -> int:
         """Connect to every rank of one prefill TP group and handshake with each.
 
         Returns:
-            the group id to pass to ``announce``.
+            the group id to pass to ``legs_for``.
         Raises:
             HandshakeError: a rank's version, model, layout or TP setup differs.
             TimeoutError: a rank did not answer within ``handshake_timeout_s``.
@@ -66,21 +64,6 @@ class ReceiverLink(Endpoint):
         self.groups.append(keys)
         return len(self.groups) - 1
 
-    def _close_link(self) -> None:
-        """Close every socket (``linger=0``) and our context."""
-        for sock in self.sockets.values():
-            sock.close()
-        self.sockets.clear()
-        self._end_context()
-
-    def _poll_sockets(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for any socket, then drain every ready one."""
-        ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        for key, sock in list(self.sockets.items()):
-            if sock.sock in ready:
-                self._drain(key, sock)
-
-    # -- connection ----------------------------------------------------------------------
     def _handshake(self, address: str) -> bytes:
         cfg = self.config
         sock = DealerSocket(self._ctx, address, f"{cfg.node}/tp{cfg.tp_rank}")
@@ -98,11 +81,10 @@ class ReceiverLink(Endpoint):
             raise
         now = time.monotonic()
         self.sockets[sock.identity] = sock
-        self.peers[sock.identity] = Peer(sock.identity, theirs, now, now + cfg.heartbeat_s)
+        peer = self.peers.add(sock.identity, theirs, now, now + cfg.heartbeat_s)
         self._poller.register(sock.sock, zmq.POLLIN)
-        logger.info("%s: connected to %s at %s (data path %s)", cfg.node,
-                    self.peers[sock.identity].name, address,
-                    "shm" if theirs.shm_pool else "zmq")
+        logger.info("%s: connected to %s at %s (data path %s)", cfg.node, peer.name,
+                    address, "shm" if theirs.shm_pool else "zmq")
         return sock.identity
 
     def _await_hello(self, sock: DealerSocket, address: str, deadline: float) -> Hello:
@@ -111,7 +93,7 @@ class ReceiverLink(Endpoint):
                 continue
             frames = sock.recv_nowait()
             try:
-                msg = decode(frames[0].bytes)
+                msg = decode(frames[0].buffer)
             except ProtocolError as exc:
                 raise handshake.HandshakeError(f"{address}: bad handshake answer: {exc}") \
                     from None
@@ -122,11 +104,15 @@ class ReceiverLink(Endpoint):
         self.stats["timeouts.handshake"] += 1
         raise TimeoutError(f"{address}: no Hello within {self.config.handshake_timeout_s}s")
 
-    def _legs_for(self, group: int) -> dict[bytes, InLeg]:
+    def legs_for(self, group: int) -> dict[bytes, tuple[int, int]]:
+        """Global heads each rank of ``group`` sends this rank (ranks that overlap it).
+
+        Raises:
+            ValueError: a needed rank is lost (connect the group again).
+        """
         h = self.hello
-        keys = self.groups[group]
         legs = {}
-        for key in keys:
+        for key in self.groups[group]:
             peer = self.peers[key]
             heads = tp.overlap(h.total_kv_heads, peer.hello.tp_size, peer.hello.tp_rank,
                                h.tp_size, h.tp_rank)
@@ -134,26 +120,64 @@ class ReceiverLink(Endpoint):
                 continue
             if peer.lost:
                 raise ValueError(f"prefill {peer.name} of group {group} is lost")
-            legs[key] = InLeg(key, heads)
+            legs[key] = heads
         return legs
 
-    # -- incoming ------------------------------------------------------------------------
-    def _drain(self, key: bytes, sock: DealerSocket) -> None:
-        while (head := sock.recv_first_nowait()) is not None:
-            self.stats["msgs_recv"] += 1
-            self._touch(key)
-            try:
-                self._dispatch(self.peers[key], sock, head)
-            except ProtocolError as exc:
-                self._protocol_error(key, exc)
-                self._fail_rid(exc.rid, "error", str(exc))
-            finally:
-                sock.skip_rest()  # a rejected message's data frame must not look like a message
+    def group_lost(self, group: int) -> bool:
+        """True when any rank of ``group`` is lost (the group must be connected again)."""
+        return any(self.peers[k].lost for k in self.groups[group])
 
-    def _send(self, key: bytes, msg: Message) -> bool:
+    # -- polling -------------------------------------------------------------------------
+    def poll(self, timeout_s: float) -> LinkPoll:
+        """Wait up to ``timeout_s`` for any socket, take what arrived, send due heartbeats,
+        find lost peers."""
+        out = LinkPoll()
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        for key, sock in list(self.sockets.items()):
+            if sock.sock in ready:
+                self._drain(out, key, sock)
+        due, expired = self.peers.tick(time.monotonic())
+        for peer in due:
+            self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq))
+        out.lost.extend((peer, why, False) for peer, why in expired)
+        return out
+
+    def _drain(self, out: LinkPoll, key: bytes, sock: DealerSocket) -> None:
+        for _ in range(MAX_DRAIN):
+            frames = sock.recv_nowait()
+            if frames is None:
+                return
+            self.stats["msgs_recv"] += 1
+            self.peers.touch(key, time.monotonic())
+            peer = self.peers.live(key)
+            if peer is None:  # lost: what it still says is not acted on
+                self.stats["late_msgs"] += 1
+                continue
+            try:
+                msg, data = parse(frames)
+            except ProtocolError as exc:
+                out.inbound.append(Inbound(peer, None, error=exc))
+                continue
+            if isinstance(msg, Bye):
+                out.lost.append((peer, f"said Bye ({msg.reason!r})", True))
+            else:
+                out.inbound.append(Inbound(peer, msg, data))
+
+    def send_error(self, key: bytes, who: str, exc: ProtocolError) -> None:
+        """Count, log and answer a protocol error."""
+        self.send(key, count_error(self.stats, self.config.node, who, exc))
+
+    def send(self, key: bytes, msg: Message) -> bool:
+        """Send one control message; False when we hold no socket to ``key``."""
         sock = self.sockets.get(key)
         if sock is None:
             return False
         sock.send([encode(msg)])
         self.stats["msgs_sent"] += 1
         return True
+
+    def close(self) -> None:
+        """Close every socket (``linger=0``)."""
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()

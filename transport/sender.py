@@ -12,35 +12,52 @@ A worker's loop::
 The sender pins source pages when ``send``/``finish`` hands them over and unpins each
 run once ZMQ released its zero-copy reference (``MessageTracker``) or the decode acked
 every byte, once its copy into a same-host decode's shared pool returned
-(``shm.ShmChannel``), or once the peer is gone;
-the worker alone frees rows (reason from the final ``Event``).
+(``shm.ShmChannel``), or once the peer is gone; the worker alone frees rows (reason from
+the final ``Event``).
 
-The class is layered: ``sender_link.SenderLink`` (socket, handshake, data path per peer)
-< ``sender_control.SenderControl`` (decode's control messages, endings) < ``KvSender``
-(worker API, handing over, streaming, pin release).
+Composed, not stacked: ``link`` (``SenderLink``: socket, handshake, heartbeats, data
+channel per peer) returns what arrived as values, ``peers`` (``PeerTable``) holds leases,
+``streamer`` (``Streamer``) pins and streams, and each request's state and transitions
+are an ``Outgoing``. This class decides what messages mean for requests.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
-import numpy as np
 import zmq
 
-from . import tp
-from .channel import BlockRun, is_unreachable
+from . import handshake, tp
+from .channel import PoolView
 from .config import TransportConfig
-from .events import Event
-from .messages import Done
-from .outgoing import Leg, Outgoing, OutState, SendPin
-from .sender_control import SenderControl
+from .events import Event, EventKind, EventLog
+from .link import Inbound
+from .messages import (
+    Abort,
+    AbortAck,
+    Accepted,
+    Ack,
+    Announce,
+    Bye,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+)
+from .outgoing import Outgoing, OutState, announced_leg
+from .peers import Peer, PeerTable
+from .sender_link import SenderLink
+from .streamer import Streamer
 
 logger = logging.getLogger(__name__)
 
 
-class KvSender(SenderControl):
-    """Prefill endpoint.
+class KvSender:
+    """Prefill endpoint. Poll-driven, single-threaded, not thread-safe: call ``poll`` at
+    least once per heartbeat interval (every wait is checked there).
 
     Args:
         cache: this rank's ``KvCache`` (``layout.num_kv_heads`` = heads of this rank).
@@ -51,8 +68,22 @@ class KvSender(SenderControl):
 
     def __init__(self, cache, address: str, config: TransportConfig,
                  ctx: zmq.Context | None = None):
-        super().__init__(cache, address, config, ctx)
+        self.config, self.cache = config, cache
+        self.stats: Counter[str] = Counter()
+        self.events = EventLog(self.stats)
+        self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
         self.transfers: dict[str, Outgoing] = {}
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill")
+        self.link = SenderLink(self._ctx, address, PoolView(cache.data()), hello, config,
+                               self.peers, self.stats)
+        self.streamer = Streamer(cache, self.link)
+        self.address = self.link.address
+
+    @property
+    def hello(self) -> Hello:
+        return self.link.hello
 
     # -- worker API ----------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> list[Event]:
@@ -62,13 +93,12 @@ class KvSender(SenderControl):
         Returns:
             events since the last call, oldest first.
         """
-        self._drain(int(timeout_s * 1000))
+        self._pump(int(timeout_s * 1000))
         now = time.monotonic()
-        self._tick_peers(now)
         for out in list(self.transfers.values()):
             self._check_deadlines(out, now)
-            self._release_pins(out)
-        return self._take_events()
+            self._release(out)
+        return self.events.take()
 
     def send(self, rid: str, kv, upto: int) -> bool:
         """Hand positions ``[0, upto)`` of ``kv``'s row to the transport (full pages only;
@@ -78,27 +108,27 @@ class KvSender(SenderControl):
             False (nothing pinned) when ``rid`` was aborted or failed; its final event is
             or will be in ``poll``'s answer, and the worker frees the row then.
         """
-        self._drain(0)  # a decode's Abort must be seen before writing into its pool
+        self._pump(0)  # a decode's Abort must be seen before writing into its pool
         out = self._outgoing_for_send(rid, kv)
         if out is None:
             return False
-        self._hand_over(out, upto // self.cache.page_size)
+        self.streamer.hand_over(out, upto // self.cache.page_size)
         self._flush(out)
         return True
 
     def finish(self, rid: str, kv, first_token: int) -> bool:
         """Hand over the whole prompt (``kv.allocated_len`` >= prompt length) and send
         ``Done`` with ``first_token`` once every block is queued. Returns as ``send``."""
-        self._drain(0)
+        self._pump(0)
         out = self._outgoing_for_send(rid, kv)
         if out is None:
             return False
         out.finished, out.first_token = True, int(first_token)
         if out.state == OutState.ASSEMBLING:
             # the prompt length arrives with the Announce; hand over what the row holds
-            self._hand_over(out, -(-kv.allocated_len // self.cache.page_size))
+            self.streamer.hand_over(out, -(-kv.allocated_len // self.cache.page_size))
         else:
-            self._hand_over(out, out.total_blocks)
+            self.streamer.hand_over(out, out.total_blocks)
         self._flush(out)
         return True
 
@@ -108,9 +138,13 @@ class KvSender(SenderControl):
         out = self.transfers.get(rid)
         if out is None or out.state.is_final:
             return False
-        self._start_abort(out, reason, detail, notify_peers=True)
-        out.state = OutState.CLOSED
+        self._abort_legs(out, reason, detail)
+        out.close()
         return True
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets a worker's loop may wait on (readable: call ``poll``)."""
+        return [self.link.router.sock]
 
     @property
     def num_pins(self) -> int:
@@ -118,17 +152,161 @@ class KvSender(SenderControl):
 
     def close(self) -> None:
         """Say Bye to every peer, drop all pins, close the socket (``linger=0``)."""
-        self._say_bye()
+        for peer in self.peers.values():
+            if not peer.lost:
+                self.link.send(peer.key, Bye(reason="closing"))
         for out in self.transfers.values():
-            for pin in out.pins:
-                self.cache.unpin(pin.pin_id)
+            self.streamer.unpin_all(out)
         self.transfers.clear()
-        self._close_link()
+        self.link.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    # -- what the link found -------------------------------------------------------------
+    def _pump(self, timeout_ms: int) -> None:
+        polled = self.link.poll(timeout_ms)
+        for ev in polled.events:
+            self.events.add(ev)
+        for item in polled.inbound:
+            try:
+                if item.error is not None:
+                    raise item.error
+                self._on_message(item)
+            except ProtocolError as exc:
+                self.link.send_error(item.peer.key, item.peer.name, exc)
+        for peer, why, clean in polled.lost:
+            self._lose(peer, why, clean)
+
+    def _on_message(self, item: Inbound) -> None:
+        peer, msg = item.peer, item.msg
+        if isinstance(msg, Announce):
+            self._on_announce(peer, msg)
+        elif isinstance(msg, Ack):
+            out = self._leg_owner(peer, msg.rid)
+            if out is not None and out.ack(peer.key):
+                self.events.emit(EventKind.COMPLETED, out.rid, reason="sent",
+                                 first_token=out.first_token, prompt_len=out.prompt_len,
+                                 cached_tokens=out.cached_blocks * self.hello.page_size)
+        elif isinstance(msg, Abort):
+            self._on_abort(peer, msg)
+        elif isinstance(msg, AbortAck):
+            out = self._leg_owner(peer, msg.rid)
+            if out is not None:
+                out.legs[peer.key].abort_acked = True
+        elif isinstance(msg, Error):
+            self._on_error(peer, msg)
+        elif not isinstance(msg, Heartbeat):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{type(msg).__name__} is not sent "
+                                "to a prefill endpoint", getattr(msg, "rid", None))
+
+    def _on_announce(self, peer: Peer, msg: Announce) -> None:
+        out = self.transfers.get(msg.rid)
+        if self.peers.recently_closed(msg.rid) or (out is not None and out.state.is_final):
+            raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} is closing", msg.rid)
+        if out is not None and peer.key in out.legs:
+            raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} announced twice",
+                                msg.rid)
+        leg = announced_leg(self.hello, peer.key, peer.hello, msg, out)
+        out = out or self.transfers.setdefault(msg.rid, Outgoing(msg.rid))
+        h, ps = self.hello, self.hello.page_size
+        expected = len(tp.peer_ranks(h.total_kv_heads, h.tp_size, h.tp_rank,
+                                     peer.hello.tp_size))
+        peer.rids.add(msg.rid)
+        if out.add_leg(leg, msg.prompt_len, msg.cached_tokens // ps, -(-msg.prompt_len // ps),
+                       expected):
+            self._accept(out)
+
+    def _accept(self, out: Outgoing) -> None:
+        if out.kv is not None and out.handed > out.total_blocks:
+            self._fail(out, "error", f"row holds {out.handed} pages, prompt needs "
+                       f"{out.total_blocks}")
+            return
+        out.accept()
+        for leg in out.legs.values():
+            self.link.send(leg.peer, Accepted(rid=out.rid))
+        self.events.emit(EventKind.READY, out.rid, prompt_len=out.prompt_len,
+                         cached_tokens=out.cached_blocks * self.hello.page_size)
+        if out.finished:
+            self.streamer.hand_over(out, out.total_blocks)
+        self._flush(out)
+
+    def _on_abort(self, peer: Peer, msg: Abort) -> None:
+        self.link.send(peer.key, AbortAck(rid=msg.rid))
+        out = self.transfers.get(msg.rid)
+        if out is None or peer.key not in out.legs:
+            self.stats["aborts_unknown_rid"] += 1
+            return
+        self.stats["aborts_recv"] += 1
+        out.legs[peer.key].abort_acked = True
+        if not out.state.is_final:
+            self._abort_legs(out, msg.reason, msg.detail)
+            self._end(out, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
+
+    def _on_error(self, peer: Peer, msg: Error) -> None:
+        self.stats["errors_recv"] += 1
+        logger.warning("%s: peer %s reports %r: %r", self.config.node, peer.name, msg.code,
+                       msg.detail)
+        out = self.transfers.get(msg.rid)
+        if out is not None and peer.key in out.legs and not out.state.is_final:
+            self._fail(out, "error", f"peer error {msg.code}: {msg.detail}")
+
+    def _leg_owner(self, peer: Peer, rid: str) -> Outgoing | None:
+        """The request of an (Abort)Ack; None (counted as late) when rid is already gone,
+        as happens when an Ack crosses an Abort."""
+        out = self.transfers.get(rid)
+        if out is None or peer.key not in out.legs:
+            self.stats["late_msgs"] += 1
+            return None
+        return out
+
+    # -- endings -------------------------------------------------------------------------
+    def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
+        """``peer`` is gone: its legs count as abort-acked, its open requests fail."""
+        if peer.lost:
+            return
+        for rid in self.peers.mark_lost(peer, why, clean):
+            out = self.transfers.get(rid)
+            if out is None or peer.key not in out.legs:
+                continue
+            out.legs[peer.key].abort_acked = True
+            if not out.state.is_final:
+                self._fail(out, "peer_lost", f"decode {peer.name} lost: {why}")
+        self.link.drop_peer(peer.key)
+        self.events.emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)
+
+    def _abort_legs(self, out: Outgoing, reason: str, detail: str) -> None:
+        """Send ``Abort`` to every live leg that has not stopped yet."""
+        self.stats["aborts_sent"] += 1
+        for leg in out.legs_to_abort(lambda key: self.peers.live(key) is not None):
+            self.link.send(leg.peer, Abort(rid=out.rid, reason=reason, detail=detail))
+
+    def _end(self, out: Outgoing, kind: EventKind, reason: str, detail: str) -> None:
+        out.close()
+        self.events.emit(kind, out.rid, reason=reason, detail=detail)
+
+    def _fail(self, out: Outgoing, reason: str, detail: str) -> None:
+        logger.warning("%s: %s failed (%s): %s", self.config.node, out.rid, reason, detail)
+        self._abort_legs(out, reason, detail)
+        self._end(out, EventKind.FAILED, reason, detail)
+
+    def _check_deadlines(self, out: Outgoing, now: float) -> None:
+        cfg, what = self.config, out.overdue(now, self.config)
+        if what == "admission":
+            self.stats["timeouts.admission"] += 1
+            self._fail(out, "timeout", f"not every decode rank announced within "
+                       f"{cfg.admission_timeout_s}s")
+        elif what == "progress":
+            self.stats["timeouts.progress"] += 1
+            self._fail(out, "timeout", f"no progress on {out.state.name} for "
+                       f"{now - out.t_progress:.1f}s")
+        elif what == "abort_ack":  # stop waiting, so the pins go
+            self.stats["timeouts.abort_ack"] += 1
+            out.stop_waiting_for_abort_acks()
 
     # -- outgoing ------------------------------------------------------------------------
     def _outgoing_for_send(self, rid: str, kv) -> Outgoing | None:
         out = self.transfers.get(rid)
-        if out is None and rid not in self._recent:
+        if out is None and not self.peers.recently_closed(rid):
             out = self.transfers[rid] = Outgoing(rid)
         if out is None or out.state.is_final:
             self.stats["sends_after_final"] += 1
@@ -137,83 +315,14 @@ class KvSender(SenderControl):
         out.t_progress = time.monotonic()
         return out
 
-    def _hand_over(self, out: Outgoing, end_block: int) -> None:
-        """Pin blocks ``[handed, end_block)`` of the row: they now belong to the transport."""
-        start = out.handed
-        if end_block <= start:
-            return
-        ps = self.cache.page_size
-        end_pos = min(end_block * ps, out.kv.allocated_len)
-        pages = np.asarray(self.cache.pages(out.kv, start * ps, end_pos), np.int64)
-        if len(pages) != end_block - start:
-            raise ValueError(f"{out.rid}: row holds {out.kv.allocated_len} positions, "
-                             f"cannot hand over blocks [{start}, {end_block})")
-        pin_id = self.cache.pin_pages(pages, reason="send")
-        out.pins.append(SendPin(pin_id, start, end_block))
-        out.src_pages = np.concatenate([out.src_pages, pages])
-
     def _flush(self, out: Outgoing) -> None:
-        """Frame and queue every handed block not sent yet, then Done when complete."""
-        if out.state != OutState.STREAMING:
-            return
-        first, end = max(out.sent, out.cached_blocks), min(out.handed, out.total_blocks)
-        for leg in out.legs.values():
-            if first < end and not self._send_blocks(out, leg, first, end):
-                return
-        out.sent = max(out.sent, end)
-        for pin in out.pins:
-            pin.flushed = pin.flushed or pin.end <= max(out.sent, out.cached_blocks)
-        if out.finished and out.sent >= out.total_blocks:
-            for leg in out.legs.values():
-                self._send(leg.peer, Done(rid=out.rid, num_blocks=out.total_blocks
-                                          - out.cached_blocks, first_token=out.first_token))
-            out.state = OutState.DONE_SENT
-            out.t_progress = time.monotonic()
+        gone = self.streamer.flush(out)
+        if gone is not None:
+            self._lose(self.peers[gone], "unreachable while sending")
 
-    def _send_blocks(self, out: Outgoing, leg: Leg, first: int, end: int) -> bool:
-        """Move blocks ``[first, end)`` to ``leg``, one channel call per pin, so that each
-        completion is attached to the one pin whose pages it reads."""
-        h = self.hello
-        heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
-        channel = self._channel_for(leg.peer)
-        for pin in out.pins:
-            lo, hi = max(first, pin.first), min(end, pin.end)
-            if lo >= hi:
-                continue
-            run = BlockRun(leg.peer, out.rid, lo, out.src_pages[lo:hi], leg.dest_pages[lo:hi],
-                           leg.heads, heads)
-            try:
-                done = channel.send_blocks(run)
-            except zmq.ZMQError as exc:
-                if not is_unreachable(exc):
-                    raise
-                self._lose(self.peers[leg.peer], "unreachable while sending")
-                return False
-            self._last_sent[leg.peer] = time.monotonic()
-            pin.completions.extend((leg.peer, d) for d in done)
-        return True
-
-    def _release_pins(self, out: Outgoing) -> None:
-        """Unpin runs that no live peer can still read; drop finished transfers.
-
-        A leg's completions are settled by its tracker, by its Ack (the decode holds every
-        byte, so ZMQ will not read the pages again; the tracker of a connection's last
-        frame can lag until the next message leaves) or by the peer's loss. So pins drop
-        in the very poll that reports COMPLETED, and the worker's row free is immediate.
-        """
-        settled = {k for k, p in self.peers.items() if p.lost}
-        settled.update(k for k, g in out.legs.items() if g.acked)
-        aborting = out.state == OutState.CLOSED and out.legs and not all(
-            g.acked for g in out.legs.values())
-        keep = []
-        for pin in out.pins:
-            busy = any(not done.done for key, done in pin.completions if key not in settled)
-            unsent = not pin.flushed and not out.state.is_final
-            if busy or unsent or (aborting and not out.abort_settled):
-                keep.append(pin)
-            else:
-                self.cache.unpin(pin.pin_id)
-        out.pins = keep
-        if out.state == OutState.CLOSED and not keep:
+    def _release(self, out: Outgoing) -> None:
+        """Unpin what no live peer reads; drop a closed, unpinned transfer."""
+        self.streamer.release(out, {k for k in out.legs if self.peers.live(k) is None})
+        if out.removable:
             del self.transfers[out.rid]
-            self._remember_closed(out.rid)
+            self.peers.remember_closed(out.rid)

@@ -1,9 +1,10 @@
 """``SenderLink``: the prefill endpoint's socket and peers - the ROUTER it binds, the
-handshake it answers, and the data path (ZMQ frames, or a same-host decode's shared pool)
-each decode peer gets.
+handshake it answers, heartbeats and leases, and the data path (ZMQ frames, or a
+same-host decode's shared pool) of each decode peer.
 
-Pins nothing and frees nothing: the channels it picks only read source pages that
-``KvSender`` pinned, and ``_drop_shm`` unmaps a peer's pool only after the peer is gone.
+A member of ``KvSender``. Pins nothing and frees nothing: the channels it hands out only
+read source pages that ``KvSender`` pinned, and a peer's pool is unmapped only after the
+peer is gone (``drop_peer``).
 """
 
 from __future__ import annotations
@@ -11,126 +12,145 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from abc import abstractmethod
+from collections import Counter
 
 import zmq
 
 from . import handshake, shm, tp
-from .channel import DataChannel, PoolView, ZmqChannel, is_unreachable
+from .channel import DataChannel, PoolView, ZmqChannel
 from .config import TransportConfig
-from .events import EventKind, Peer
-from .messages import ErrorCode, Hello, Message, ProtocolError, decode, encode
-from .peers import Endpoint, unexpected_frames
+from .events import Event, EventKind
+from .link import Inbound, LinkPoll, count_error, is_unreachable, parse
+from .messages import Bye, ErrorCode, Heartbeat, Hello, Message, ProtocolError, encode
+from .peers import PeerTable
 from .sockets import RouterSocket
 
 logger = logging.getLogger(__name__)
 
 
-class SenderLink(Endpoint):
-    """Bind ``address``, handshake decode peers, route their messages to ``_on_message``."""
+class SenderLink:
+    """Bind ``address``; handshake decode peers; hand their messages to ``poll``'s caller.
 
-    def __init__(self, cache, address: str, config: TransportConfig,
-                 ctx: zmq.Context | None = None):
-        super().__init__(config, ctx)
-        self.cache = cache
-        self.router = RouterSocket(self._ctx, address)
+    Args:
+        ctx: the endpoint's ZMQ context (the caller terminates it).
+        pool: byte views of this rank's pool, read by the data channels.
+        hello: this rank's ``Hello``.
+        peers: the endpoint's peer table; the link adds peers and ticks their leases.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, pool: PoolView, hello: Hello,
+                 config: TransportConfig, peers: PeerTable, stats: Counter):
+        self.config, self.peers, self.stats, self.hello = config, peers, stats, hello
+        self.router = RouterSocket(ctx, address)
         self.address = self.router.address_bound
-        self.pool = PoolView(cache.data())
-        self.channel: DataChannel = ZmqChannel(self.router, self.pool, config.max_frame_bytes,
-                                               self.stats)
+        self.pool = pool
+        self.frames: DataChannel = ZmqChannel(self.router, pool, config.max_frame_bytes,
+                                              stats)
         self.shm: dict[bytes, shm.ShmChannel] = {}   # decode peers whose pool is mapped
         self._last_sent: dict[bytes, float] = {}     # peer -> monotonic time of our last send
-        self.hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill")
 
-    @abstractmethod
-    def _on_message(self, peer: Peer, msg: Message) -> None:
-        """Handle one message of a handshaken peer."""
-
-    def _close_link(self) -> None:
-        """Unmap every shared pool, close the socket (``linger=0``) and our context."""
-        for channel in self.shm.values():
-            channel.close()
-        self.shm.clear()
-        self.router.close()
-        self._end_context()
-
-    # -- incoming ------------------------------------------------------------------------
-    def _drain(self, timeout_ms: int) -> None:
+    # -- polling -------------------------------------------------------------------------
+    def poll(self, timeout_ms: int) -> LinkPoll:
+        """Read what arrived (waiting up to ``timeout_ms`` for the first message), answer
+        handshakes, send due heartbeats, find lost peers."""
+        out = LinkPoll()
         item = self.router.recv(timeout_ms)
         while item is not None:
-            self._dispatch(*item)
+            self._take(out, *item)
             item = self.router.recv(0)
+        due, expired = self.peers.tick(time.monotonic())
+        for peer in due:
+            if not self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq)):
+                out.lost.append((peer, "unreachable", False))
+        out.lost.extend((peer, why, False) for peer, why in expired)
+        return out
 
-    def _dispatch(self, key: bytes, frames: list) -> None:
+    def _take(self, out: LinkPoll, key: bytes, frames: list[zmq.Frame]) -> None:
         self.stats["msgs_recv"] += 1
-        self._touch(key)
+        self.peers.touch(key, time.monotonic())
+        peer = self.peers.live(key)
         try:
-            msg = decode(frames[0].bytes if frames else b"")
-            if len(frames) > 1:
-                raise unexpected_frames(msg, len(frames) - 1)
+            msg, data = parse(frames)
             if isinstance(msg, Hello):
-                self._on_hello(key, msg)
-            elif key not in self.peers or self.peers[key].lost:
+                self._on_hello(out, key, msg)
+            elif peer is None:
                 raise ProtocolError(ErrorCode.NOT_HANDSHAKEN,
                                     f"{type(msg).__name__} before a successful Hello")
+            elif isinstance(msg, Bye):
+                out.lost.append((peer, f"said Bye ({msg.reason!r})", True))
             else:
-                self._on_message(self.peers[key], msg)
+                out.inbound.append(Inbound(peer, msg, data))
         except ProtocolError as exc:
-            self._protocol_error(key, exc)
+            if peer is None:  # nobody's request to fail: answer here
+                self.send_error(key, repr(key), exc)
+            else:
+                out.inbound.append(Inbound(peer, None, error=exc))
 
-    def _on_hello(self, key: bytes, hello: Hello) -> None:
+    def send_error(self, key: bytes, who: str, exc: ProtocolError) -> None:
+        """Count, log and answer a protocol error."""
+        self.send(key, count_error(self.stats, self.config.node, who, exc))
+
+    # -- handshake -----------------------------------------------------------------------
+    def _on_hello(self, out: LinkPoll, key: bytes, theirs: Hello) -> None:
         try:
-            handshake.check(self.hello, hello)
+            handshake.check(self.hello, theirs)
         except handshake.HandshakeError as exc:
-            self._send(key, self.hello)
+            self.send(key, self.hello)
             self.stats["errors.handshake"] += 1
             logger.error("%s: %s", self.config.node, exc)
-            self._emit(EventKind.HANDSHAKE_FAILED, detail=str(exc), peer=hello.node)
+            out.events.append(Event(EventKind.HANDSHAKE_FAILED, detail=str(exc),
+                                    peer=theirs.node))
             return
-        self._drop_shm(key)  # a reconnect under the same routing id maps afresh
-        channel = self._map_shm(hello)
+        self.drop_peer(key)  # a reconnect under the same routing id maps afresh
+        channel = self._map_shm(theirs)
         if channel is not None:
             self.shm[key] = channel
-        self._send(key, dataclasses.replace(self.hello, shm_pool=channel and hello.shm_pool
-                                            or ""))
+        self.send(key, dataclasses.replace(self.hello, shm_pool=channel and theirs.shm_pool
+                                           or ""))
         now = time.monotonic()
-        self.peers[key] = Peer(key, hello, last_seen=now, next_heartbeat=now)
-        logger.info("%s: peer %s connected (data path %s)", self.config.node,
-                    self.peers[key].name, "shm" if channel else "zmq")
+        peer = self.peers.add(key, theirs, now, next_heartbeat=now)
+        logger.info("%s: peer %s connected (data path %s)", self.config.node, peer.name,
+                    "shm" if channel else "zmq")
 
-    # -- data path per peer ----------------------------------------------------------------
-    def _map_shm(self, hello: Hello) -> shm.ShmChannel | None:
+    def _map_shm(self, theirs: Hello) -> shm.ShmChannel | None:
         """The shared-memory channel to a decode that offers its pool on this host."""
         h = self.hello
-        if not (self.config.shared_memory and hello.shm_pool and h.host_id
-                and hello.host_id == h.host_id):
+        if not (self.config.shared_memory and theirs.shm_pool and h.host_id
+                and theirs.host_id == h.host_id):
             return None
-        mapped = shm.attach(hello)
+        mapped = shm.attach(theirs)
         if mapped is None:
             return None
-        heads = tp.overlap(h.total_kv_heads, h.tp_size, h.tp_rank, hello.tp_size,
-                           hello.tp_rank)
-        dst = tp.local_slice(heads, h.total_kv_heads, hello.tp_size, hello.tp_rank) \
+        heads = tp.overlap(h.total_kv_heads, h.tp_size, h.tp_rank, theirs.tp_size,
+                           theirs.tp_rank)
+        dst = tp.local_slice(heads, h.total_kv_heads, theirs.tp_size, theirs.tp_rank) \
             if heads else slice(0, 0)
         return shm.ShmChannel(self.router, self.pool, mapped, dst, self.stats)
 
-    def _drop_shm(self, key: bytes) -> None:
-        channel = self.shm.pop(key, None)
-        if channel is not None:
-            channel.close()
-
-    def _channel_for(self, key: bytes) -> DataChannel:
+    # -- data path per peer ----------------------------------------------------------------
+    def channel_for(self, key: bytes) -> DataChannel:
         """Shared memory only while the decode cannot have declared us lost: our last
         message to it is younger than half our lease (its clock starts no earlier)."""
         channel = self.shm.get(key)
         if channel is None:
-            return self.channel
+            return self.frames
         if time.monotonic() - self._last_sent.get(key, 0.0) > self.config.lease_s / 2:
             self.stats["shm_fallbacks"] += 1
-            return self.channel
+            return self.frames
         return channel
 
-    def _send(self, key: bytes, msg: Message) -> bool:
+    def sent_data(self, key: bytes) -> None:
+        """A data channel reached ``key``: that renews our claim on its shared pool."""
+        self._last_sent[key] = time.monotonic()
+
+    def drop_peer(self, key: bytes) -> None:
+        """Unmap the peer's pool, if mapped (the peer is gone or reconnecting)."""
+        channel = self.shm.pop(key, None)
+        if channel is not None:
+            channel.close()
+
+    def send(self, key: bytes, msg: Message) -> bool:
+        """Send one control message; False when the peer is unreachable."""
         try:
             self.router.send(key, [encode(msg)])
         except zmq.ZMQError as exc:
@@ -140,3 +160,10 @@ class SenderLink(Endpoint):
         self._last_sent[key] = time.monotonic()
         self.stats["msgs_sent"] += 1
         return True
+
+    def close(self) -> None:
+        """Unmap every shared pool and close the socket (``linger=0``)."""
+        for channel in self.shm.values():
+            channel.close()
+        self.shm.clear()
+        self.router.close()

@@ -25,9 +25,7 @@ import socket
 from collections import Counter
 from functools import cache
 
-import numpy as np
-
-from common.kv import KvLayout, SharedTensor
+from common.kv import KvLayout, SharedTensor, copy_pages
 
 from .channel import BlockRun, Completion, DataChannel, PoolView
 from .messages import Hello, KvWritten, encode
@@ -61,36 +59,6 @@ def attach(decode: Hello) -> SharedTensor | None:
         return None
 
 
-def joint_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
-    """Runs ``(offset, length)`` over which both ``src`` and ``dst`` page ids ascend by one."""
-    if len(src) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    bounds = [0, *breaks.tolist(), len(src)]
-    return [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def copy_blocks(src: PoolView, src_pages: np.ndarray, src_heads: slice, dst: PoolView,
-                dst_pages: np.ndarray, dst_heads: slice) -> int:
-    """Copy heads ``src_heads`` of ``src_pages`` into heads ``dst_heads`` of ``dst_pages``.
-
-    One slice copy per run that is consecutive on both sides (heads are strided within a
-    page, so a head slice copies ``[layers, 2, page_size]`` strided rows per run).
-    Returns:
-        bytes copied.
-    """
-    full = (src_heads.stop - src_heads.start == src.num_heads
-            and dst_heads.stop - dst_heads.start == dst.num_heads)
-    for offset, length in joint_runs(src_pages, dst_pages):
-        s, d = int(src_pages[offset]), int(dst_pages[offset])
-        if full:
-            np.copyto(dst.flat[d:d + length], src.flat[s:s + length])
-        else:
-            np.copyto(dst.shaped[d:d + length, :, :, :, dst_heads],
-                      src.shaped[s:s + length, :, :, :, src_heads])
-    return len(src_pages) * src.block_bytes(src_heads.stop - src_heads.start)
-
-
 class ShmChannel(DataChannel):
     """Prefill side of one shared-memory leg: owns the mapping of one decode rank's pool.
 
@@ -111,8 +79,10 @@ class ShmChannel(DataChannel):
 
     def send_blocks(self, run: BlockRun) -> list[Completion]:
         """Copy now, then announce; the source pages are free to reuse on return."""
-        nbytes = copy_blocks(self.pool, run.src_pages, run.src_heads, self.dest,
-                             run.dest_pages, self.dst_heads)
+        copy_pages(self.pool.shaped, run.src_pages, self.dest.shaped, run.dest_pages,
+                   src_heads=run.src_heads, dst_heads=self.dst_heads)
+        nbytes = len(run.src_pages) * self.pool.block_bytes(run.src_heads.stop
+                                                             - run.src_heads.start)
         msg = KvWritten(rid=run.rid, first_block=run.first_block,
                         num_blocks=len(run.src_pages), head_start=run.heads[0],
                         head_end=run.heads[1])

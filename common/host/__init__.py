@@ -3,8 +3,8 @@
 from common.host.offload import LoadHandle, Offloader
 from common.host.prefix_cache import HashChain, PrefixCache, prefix_len
 from common.host.setup import close_offloader, host_salt, make_offloader
-from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier, copy_pages, page_runs
+from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
 
 __all__ = ["CACHE_OWNER", "CopyEngine", "CopyJob", "HashChain", "HostTier", "LoadHandle",
-           "Offloader", "PrefixCache", "close_offloader", "copy_pages", "host_salt",
-           "make_offloader", "page_runs", "prefix_len"]
+           "Offloader", "PrefixCache", "close_offloader", "host_salt", "make_offloader",
+           "prefix_len"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from common.config import ServeConfig
 from common.host.offload import Offloader
-from common.host.tier import CopyEngine, HostTier, copy_pages
-from common.kv import KvCache
+from common.host.tier import CopyEngine, HostTier
+from common.kv import KvCache, copy_pages
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,8 @@ pages. Pages cached by the prefix cache are owned by ``cache:host``.
 
 ``CopyEngine`` moves pages between two page-major tensors asynchronously: on CUDA on a
 side stream with an event, on CPU on one background thread. Both run jobs in submission
-order. Contiguous runs of pages are copied as one slice each; short runs of small pages are
-gathered and scattered with ``index_select``/``index_copy_`` on an int64 view (per-page
-copies of small pages are many times slower per byte, LESSONS.md item 7).
+order, with the one page-run copier (``common.kv.copy_pages``: contiguous runs as one slice
+each, short runs of small pages gathered on an int64 view).
 """
 
 from __future__ import annotations
@@ -28,19 +27,12 @@ import numpy as np
 import torch
 
 from common.freelog import FreeLogWriter
-from common.kv import KvLayout, PageAllocator
+from common.kv import KvLayout, PageAllocator, copy_pages
 
 logger = logging.getLogger(__name__)
 
 HOST_POOL = "host"
 CACHE_OWNER = "cache:host"
-# Runs shorter than this on average are gathered and scattered in one pass; longer
-# ones are copied slice by slice. Measured on a 2-core CPU: per-slice copies of 16 KiB
-# pages ran at about 2 GB/s, of 64-512 KiB pages at 4-11 GB/s, while gather/scatter on
-# an int64 view stayed near 2-3 GB/s whatever the page size.
-_GATHER_BELOW_BYTES = 32 << 10
-
-
 class HostTier:
     """A host KV pool: data tensor, allocator and free log, behind one lock.
 
@@ -133,82 +125,6 @@ class HostTier:
             if not self._closed and self._log is not None:
                 self._log.close(retained)
             self._closed = True
-
-
-# -- copying pages ----------------------------------------------------------------------
-def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(src_start, dst_start, length)`` of maximal runs consecutive in both page lists."""
-    src = np.asarray(src_pages, dtype=np.int64)
-    dst = np.asarray(dst_pages, dtype=np.int64)
-    if not len(src):
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(src)])))
-    return [(int(src[s]), int(dst[s]), int(n)) for s, n in zip(starts, lengths)]
-
-
-def copy_pages(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
-               dst_pages: np.ndarray, non_blocking: bool = False) -> None:
-    """``dst[dst_pages] = src[src_pages]`` for page-major tensors, coalesced into runs."""
-    runs = page_runs(src_pages, dst_pages)
-    for pages, t in ((src_pages, src), (dst_pages, dst)):
-        # Slicing past the end copies nothing silently; a bad page id must fail loudly.
-        if len(pages) and not 0 <= int(np.min(pages)) <= int(np.max(pages)) < t.shape[0]:
-            raise IndexError(f"page ids {int(np.min(pages))}..{int(np.max(pages))} "
-                             f"outside a pool of {t.shape[0]} pages")
-    page_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
-    small_runs = len(src_pages) * page_bytes < _GATHER_BELOW_BYTES * len(runs)
-    if (len(runs) > 1 and not small_runs and src.device.type == dst.device.type == "cpu"
-            and _int64_viewable(src) and _int64_viewable(dst)):
-        # CPU to CPU (on the engine's worker thread): one numpy slice assignment per run
-        # is one single-threaded memcpy. torch copies from a second thread start their
-        # own OpenMP team; scattered 512 KiB pages loaded at 0.6x a plain copy that way
-        # against 1.0x this way (2-core CPU, benchmarks/offload.py). One run (a single
-        # large block) stays with torch, whose two-thread copy_ was faster there.
-        src_np, dst_np = _byte_rows(src), _byte_rows(dst)
-        for s, d, n in runs:
-            dst_np[d:d + n] = src_np[s:s + n]
-        return
-    gather = (len(runs) > 1 and src.device == dst.device and _int64_viewable(src)
-              and (small_runs or len(page_runs(dst_pages, dst_pages)) * 4 <= len(dst_pages)))
-    if not gather:
-        for s, d, n in runs:
-            dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
-        return
-    _gather_copy(src, np.asarray(src_pages, dtype=np.int64), dst,
-                 np.asarray(dst_pages, dtype=np.int64))
-
-
-def _gather_copy(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
-                 dst_pages: np.ndarray) -> None:
-    """Scattered pages on one device: gather straight into each run of destination pages.
-
-    ``index_select(out=...)`` runs near memcpy speed; ``index_copy_`` (a scatter) is used
-    only when the destination is scattered too. Both on an int64 view, since index ops
-    on narrow dtypes run several times slower.
-    """
-    src64, dst64 = src.view(src.shape[0], -1).view(torch.int64), \
-        dst.view(dst.shape[0], -1).view(torch.int64)
-    src_idx = torch.from_numpy(src_pages).to(src.device)
-    dst_runs = page_runs(dst_pages, dst_pages)
-    if len(dst_runs) * 4 <= len(dst_pages):  # destination runs of 4 pages or more
-        offset = 0
-        for d, _, n in dst_runs:
-            torch.index_select(src64, 0, src_idx[offset:offset + n], out=dst64[d:d + n])
-            offset += n
-        return
-    dst_idx = torch.from_numpy(dst_pages).to(dst.device)
-    dst64.index_copy_(0, dst_idx, src64.index_select(0, src_idx))
-
-
-def _byte_rows(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU page-major tensor as a numpy [num_pages, page_bytes] uint8 view."""
-    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
-
-
-def _int64_viewable(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and (t[0].numel() * t.element_size()) % 8 == 0
 
 
 class CopyJob:

@@ -1,0 +1,153 @@
+"""The one page-run copier: pages of one page-major pool into pages of another.
+
+Used by the host tier (device <-> host copies), the transport's shared-memory path (a
+prefill's pool into a mapped decode pool) and its frame path (a received frame into the
+destination pages). A pool is a torch tensor or a numpy array whose first axis is the
+page; with head slices it must be ``[pages, layers, 2, page_size, heads, ...]``.
+
+    runs: maximal (src_start, dst_start, length) runs consecutive on both sides
+    src pages  3 4 5 9 | 12     ->  (3, 7, 3), (9, 2, 1), (12, 3, 1)
+    dst pages  7 8 9 2 | 3
+
+How each run moves (measured on a 2-core CPU, LESSONS.md item 7 and STYLE.md pitfalls):
+- CPU to CPU: one numpy slice assignment per run - a single-threaded memcpy; torch copies
+  from a second thread start their own OpenMP team (scattered 512 KiB pages loaded at 0.6x
+  a plain copy that way against 1.0x this way). One run of one big block stays with torch
+  when both sides are tensors, whose two-thread ``copy_`` was faster there.
+- Scattered small pages on one device: ``index_select(out=...)`` gathers at near memcpy
+  speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
+  scattered too. Index ops on narrow dtypes run several times slower.
+- Otherwise (CUDA <-> host): one ``copy_`` per run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+Pool = torch.Tensor | np.ndarray
+# Runs shorter than this on average are gathered and scattered in one pass; longer
+# ones are copied slice by slice. Measured on a 2-core CPU: per-slice copies of 16 KiB
+# pages ran at about 2 GB/s, of 64-512 KiB pages at 4-11 GB/s, while gather/scatter on
+# an int64 view stayed near 2-3 GB/s whatever the page size.
+GATHER_BELOW_BYTES = 32 << 10
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
+              max_len: int | None = None) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, length)`` of maximal runs consecutive in both page lists
+    (``dst_pages`` defaults to ``src_pages``), each cut to at most ``max_len`` pages."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = src if dst_pages is None else np.asarray(dst_pages, dtype=np.int64)
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+    if not len(src):
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    if max_len is None:
+        return [(int(src[s]), int(dst[s]), int(n)) for s, n in zip(starts, lengths)]
+    return [(int(src[s]) + k, int(dst[s]) + k, int(min(max_len, n - k)))
+            for s, n in zip(starts, lengths) for k in range(0, int(n), max_len)]
+
+
+def check_pages(pages: np.ndarray, num_pages: int, what: str = "page") -> None:
+    """Raise ``IndexError`` unless every id is in ``[0, num_pages)``: slicing past the end
+    copies nothing and a negative id wraps around, silently."""
+    if len(pages) and not 0 <= int(np.min(pages)) <= int(np.max(pages)) < num_pages:
+        raise IndexError(f"{what} ids {int(np.min(pages))}..{int(np.max(pages))} outside "
+                         f"a pool of {num_pages} pages")
+
+
+def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarray,
+               non_blocking: bool = False, src_heads: slice | None = None,
+               dst_heads: slice | None = None) -> int:
+    """``dst[dst_pages] = src[src_pages]`` (restricted to head slices when given),
+    coalesced into runs; page ids are checked first. Returns the number of runs.
+
+    Raises:
+        IndexError: a page id outside its pool.
+        ValueError: the page lists differ in length.
+    """
+    check_pages(np.asarray(src_pages), src.shape[0], "source page")
+    check_pages(np.asarray(dst_pages), dst.shape[0], "destination page")
+    runs = page_runs(src_pages, dst_pages)
+    if not (_all_heads(src, src_heads) and _all_heads(dst, dst_heads)):
+        sh = slice(None) if src_heads is None else src_heads
+        dh = slice(None) if dst_heads is None else dst_heads
+        for s, d, n in runs:
+            _assign(dst[d:d + n, :, :, :, dh], src[s:s + n, :, :, :, sh], non_blocking)
+        return len(runs)
+    small = _small_runs(src, len(src_pages), len(runs))
+    numpy_pool = isinstance(src, np.ndarray) or isinstance(dst, np.ndarray)
+    if _both_cpu(src, dst) and (numpy_pool or (len(runs) > 1 and not small)):
+        src_np, dst_np = _byte_rows(src), _byte_rows(dst)
+        if small and len(runs) > 1:  # many short runs: one fancy-indexed gather + scatter
+            dst_np[np.asarray(dst_pages, np.int64)] = src_np[np.asarray(src_pages, np.int64)]
+            return len(runs)
+        for s, d, n in runs:
+            dst_np[d:d + n] = src_np[s:s + n]
+        return len(runs)
+    if len(runs) > 1 and src.device == dst.device and _int64_viewable(src) and (
+            small or len(page_runs(dst_pages)) * 4 <= len(dst_pages)):
+        _gather_copy(src, np.asarray(src_pages, np.int64), dst,
+                     np.asarray(dst_pages, np.int64))
+        return len(runs)
+    for s, d, n in runs:
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
+    return len(runs)
+
+
+def _all_heads(pool: Pool, heads: slice | None) -> bool:
+    return heads is None or range(pool.shape[4])[heads] == range(pool.shape[4])
+
+
+def _assign(dst: Pool, src: Pool, non_blocking: bool) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src if isinstance(src, np.ndarray) else src.numpy())
+    else:
+        dst.copy_(torch.from_numpy(src) if isinstance(src, np.ndarray) else src,
+                  non_blocking=non_blocking)
+
+
+def _both_cpu(src: Pool, dst: Pool) -> bool:
+    return all(isinstance(t, np.ndarray) or (t.device.type == "cpu" and t.is_contiguous())
+               for t in (src, dst))
+
+
+def _small_runs(src: Pool, num_pages: int, num_runs: int) -> bool:
+    """Runs shorter than ``GATHER_BELOW_BYTES`` on average."""
+    page_bytes = (src[0].nbytes if isinstance(src, np.ndarray)
+                  else src[0].numel() * src.element_size()) if src.shape[0] else 0
+    return num_pages * page_bytes < GATHER_BELOW_BYTES * num_runs
+
+
+def _gather_copy(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
+                 dst_pages: np.ndarray) -> None:
+    """Scattered pages on one device: gather straight into each run of destination pages
+    (``index_select(out=...)``), or gather-then-scatter when the destination is scattered
+    too. Both on an int64 view."""
+    src64 = src.view(src.shape[0], -1).view(torch.int64)
+    dst64 = dst.view(dst.shape[0], -1).view(torch.int64)
+    src_idx = torch.from_numpy(src_pages).to(src.device)
+    dst_runs = page_runs(dst_pages)
+    if len(dst_runs) * 4 <= len(dst_pages):  # destination runs of 4 pages or more
+        offset = 0
+        for d, _, n in dst_runs:
+            torch.index_select(src64, 0, src_idx[offset:offset + n], out=dst64[d:d + n])
+            offset += n
+        return
+    dst_idx = torch.from_numpy(dst_pages).to(dst.device)
+    dst64.index_copy_(0, dst_idx, src64.index_select(0, src_idx))
+
+
+def _byte_rows(t: Pool) -> np.ndarray:
+    """A contiguous CPU page-major pool as a numpy ``[num_pages, page_bytes]`` uint8 view."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(t.shape[0], -1).view(np.uint8) if t.shape[0] else t.reshape(0, 0)
+    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+def _int64_viewable(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and (t[0].numel() * t.element_size()) % 8 == 0
