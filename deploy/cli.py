@@ -128,6 +128,8 @@ def _run_bench_transfer(args: argparse.Namespace) -> int:
 
 def _add_serving(sub) -> None:
     _add_run(sub)
+    _add_serve(sub)
+    _add_frontend(sub)
     _add_router(sub)
     _add_prefill(sub)
     _add_decode(sub)
@@ -239,6 +241,76 @@ def _run_run(args: argparse.Namespace) -> int:
     from deploy.run import main as run_main
 
     return run_main(args)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP front door (OpenAI API; docs/http.md)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks one)")
+    g.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: open)")
+    g.add_argument("--served-model-name", metavar="NAME",
+                   help="model name in /v1/models and in requests (default: the model's)")
+    g.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="requests the front door holds without a first token; beyond them "
+                        "a 429 (default 256)")
+    g.add_argument("--http-log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (default warning; info logs each connection)")
+    _add_log_level(p)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="launch router + workers behind an OpenAI-compatible HTTP server",
+        description="Start the router and the workers as in pdkv run, then serve "
+                    "/v1/completions, /v1/chat/completions, /v1/models and /health over "
+                    "HTTP. Prints the URL when every worker is ready. SIGINT or SIGTERM ends "
+                    "open streams with an error chunk, shuts everything down and replays "
+                    "the free logs. See docs/http.md.",
+        epilog="exit status: 0 clean shutdown and clean free logs; 1 a free-log violation; "
+               "2 a process died, did not start, or the port is taken.")
+    p.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="prefill workers (disagg; default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M",
+                   help="decode workers (disagg) or colocated workers (default 1)")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
+                   help="disagg (default) or colocated (one process does both)")
+    p.add_argument("--devices", default="cpu", metavar="LIST",
+                   help="comma-separated devices given to workers round-robin (default cpu)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="keep free logs and process logs here (default: a temporary "
+                        "directory, removed after a clean shutdown)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    _add_http_flags(p)
+    _add_config_flags(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _add_frontend(sub) -> None:
+    p = sub.add_parser(
+        "frontend", help="the HTTP front door alone, in front of a running router",
+        description="Serve the OpenAI API over HTTP for a deployment started with pdkv "
+                    "router/prefill/decode (several hosts; several front doors may share "
+                    "one router). See docs/http.md.",
+        epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken.")
+    p.add_argument("--router", required=True, metavar="ADDR",
+                   help="the router's address, e.g. tcp://router-host:5555")
+    _add_http_flags(p)
+    p.set_defaults(func=_run_frontend)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from deploy.http.commands import serve_main
+
+    return serve_main(args)
+
+
+def _run_frontend(args: argparse.Namespace) -> int:
+    from deploy.http.commands import frontend_main
+
+    return frontend_main(args)
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,201 @@
+"""The front door's one link to the router: submit, abort, stream events, status.
+
+This is the only module of ``deploy/http`` that speaks the router's control messages
+(``deploy.client.Client``); the rest sees ``Event`` values and ``RouterView``. It runs in
+the HTTP server's event loop: the client's DEALER socket is shadowed by an asyncio socket
+for waiting, and read and written only from the loop's thread (ZMQ sockets are not
+thread-safe).
+
+Deadlines: the router fails a request it cannot finish (worker lost, its own request
+timeout); the bridge asks for the router's status every ``status_interval_s`` and, when
+no answer came for ``router_timeout_s``, declares the router lost and ends every open
+request with an error. A send that cannot be queued within 0.2 s raises ``RouterDown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from deploy.client import Client
+
+logger = logging.getLogger(__name__)
+_SEND_TIMEOUT_MS = 200
+
+
+class RouterDown(RuntimeError):
+    """The router cannot be reached; the message says since when."""
+
+
+@dataclass
+class Event:
+    """What happened to one request: new tokens, or its end."""
+
+    ids: list[int] = field(default_factory=list)
+    done: bool = False
+    reason: str = ""
+    """stop, length, aborted, error, timeout, refused (the router refused the submit)."""
+    error: str = ""
+    cached_tokens: int = 0
+
+
+@dataclass
+class RouterView:
+    """The deployment as the router last described it."""
+
+    config: dict
+    workers: dict[str, dict]
+    t_answer: float
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready, why not): one prefill and one decode ready, or one colocated worker."""
+        roles = {w["role"] for w in self.workers.values() if w["ready"] and not w["lost"]}
+        if "colocated" in roles or {"prefill", "decode"} <= roles:
+            return True, ""
+        have = ", ".join(sorted(roles)) or "none"
+        return False, f"no ready prefill and decode worker (ready roles: {have})"
+
+    @property
+    def colocated(self) -> bool:
+        return any(w["role"] == "colocated" for w in self.workers.values())
+
+
+class RouterBridge:
+    """A client of the router inside an asyncio loop."""
+
+    def __init__(self, address: str, *, status_interval_s: float = 0.5,
+                 router_timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._client = Client(address, "http")
+        raw = self._client.link.sock
+        raw.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self._sock = zmq.asyncio.Socket.from_socket(raw)
+        self._queues: dict[str, asyncio.Queue[Event]] = {}
+        self._abandoned: set[str] = set()
+        self.view: RouterView | None = None
+        self._status_interval_s, self._router_timeout_s = status_interval_s, router_timeout_s
+        self._t_start = time.monotonic()
+        self._waiters: list[asyncio.Future[RouterView]] = []
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the reader and the status loop in the running event loop."""
+        self._tasks = [asyncio.create_task(self._read(), name="bridge-read"),
+                       asyncio.create_task(self._watch(), name="bridge-status")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all("error", "front door shutting down")
+        self._client.close()
+
+    @property
+    def router_lost(self) -> bool:
+        last = self.view.t_answer if self.view else self._t_start
+        return time.monotonic() - last > self._router_timeout_s
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(self, rid: str, prompt: list[int], params: dict) -> asyncio.Queue[Event]:
+        """Send a request; its events arrive on the returned queue, the last one done."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            self._send(lambda: self._client.submit(rid, prompt, params))
+        except RouterDown:
+            del self._queues[rid]
+            raise
+        return queue
+
+    def abort(self, rid: str) -> None:
+        """Abort on the router, the prefill and the decode; later events are dropped."""
+        if rid not in self._queues or rid in self._abandoned:
+            return
+        self._abandoned.add(rid)
+        try:
+            self._send(lambda: self._client.abort(rid))
+        except RouterDown as exc:
+            logger.warning("http: abort of %s not sent: %s", rid, exc)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    async def status(self, timeout_s: float = 1.0) -> RouterView:
+        """A fresh status from the router. Raises ``RouterDown`` past ``timeout_s``."""
+        fut: asyncio.Future[RouterView] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._send(lambda: self._client.submit_raw({"t": "status"}))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise RouterDown(f"router at {self.address} did not answer a status request "
+                             f"within {timeout_s}s") from None
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    # -- internals -----------------------------------------------------------------------
+    def _send(self, send) -> None:
+        try:
+            send()
+        except zmq.Again:
+            raise RouterDown(f"router at {self.address} is not taking messages") from None
+
+    async def _read(self) -> None:
+        while True:
+            await self._sock.poll(flags=zmq.POLLIN)
+            for msg in self._client.poll(0):
+                try:
+                    self._dispatch(msg)
+                except (KeyError, TypeError, ValueError) as exc:
+                    logger.warning("http: bad message from the router %r: %s",
+                                   str(msg)[:120], exc)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self._send(lambda: self._client.submit_raw({"t": "status"}))
+            except RouterDown as exc:
+                logger.warning("http: %s", exc)
+            await asyncio.sleep(self._status_interval_s)
+            if self.router_lost and self._queues:
+                self._fail_all("error", f"router at {self.address} silent for more than "
+                                        f"{self._router_timeout_s}s")
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg["t"]
+        if kind == "status":
+            self.view = RouterView(msg["config"], msg["workers"], time.monotonic())
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(self.view)
+            return
+        rid = str(msg.get("rid", ""))
+        queue = self._queues.get(rid)
+        if queue is None:
+            return  # an answer to an abort of a request that already ended, or stale
+        if kind == "tokens":
+            if rid not in self._abandoned:
+                queue.put_nowait(Event(ids=list(msg["ids"])))
+        elif kind in ("done", "error"):
+            if kind == "error" and rid in self._abandoned:
+                return  # the abort raced the end: "done" comes (or came) on its own
+            reason = msg.get("reason", "refused" if kind == "error" else "error")
+            self._end(rid, Event(done=True, reason=reason, error=str(msg.get("error", "")),
+                                 cached_tokens=int(msg.get("cached_tokens", 0))))
+
+    def _end(self, rid: str, event: Event) -> None:
+        queue = self._queues.pop(rid)
+        self._abandoned.discard(rid)
+        queue.put_nowait(event)
+
+    def _fail_all(self, reason: str, error: str) -> None:
+        for rid in list(self._queues):
+            self._end(rid, Event(done=True, reason=reason, error=error))

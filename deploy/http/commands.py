@@ -1,0 +1,127 @@
+"""Bodies of ``pdkv serve`` (a deployment with its HTTP front door) and ``pdkv frontend``
+(the front door alone, in front of a running router)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+from deploy.http.server import bind, run_frontend
+
+logger = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM while launching."""
+
+
+class _Signals:
+    """SIGINT/SIGTERM raise ``_Stop`` while ``raising``; otherwise they are only recorded.
+    While the HTTP server runs, uvicorn has its own handlers (they end the streams and
+    stop the server) and raises the signal again when it returns: recorded here, so the
+    deployment then shuts down in order instead of dying."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self.raising = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.got.append(signum)
+        if self.raising:
+            raise _Stop(signal.Signals(signum).name)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _http_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model_name=args.served_model_name or "", api_key=args.api_key or "",
+                max_waiting=args.max_waiting, log_level=args.http_log_level)
+
+
+def _bind_or_explain(args: argparse.Namespace) -> socket.socket | None:
+    try:
+        return bind(args.host, args.port)
+    except OSError as exc:
+        print(f"pdkv: cannot listen on {args.host}:{args.port}: {exc.strerror}; choose "
+              "another --port or --host", file=sys.stderr)
+        return None
+
+
+def frontend_main(args: argparse.Namespace) -> int:
+    """``pdkv frontend --router ADDR``: exit 0 after SIGINT/SIGTERM."""
+    _setup_logging(args.log_level)
+    sock = _bind_or_explain(args)
+    if sock is None:
+        return 2
+    sigs = _Signals()
+    sigs.raising = False
+
+    def ready(url: str) -> None:
+        print(f"pdkv frontend: serving the OpenAI API at {url}/v1 in front of the router "
+              f"at {args.router}", flush=True)
+
+    run_frontend(args.router, sock, on_ready=ready, **_http_kwargs(args))
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``pdkv serve``: launch, serve HTTP until a signal, shut down, replay the free logs.
+    Exit status: 0 clean, 1 a free-log violation, 2 a process died or did not start."""
+    from deploy.launcher import Cluster, WorkerDied
+    from deploy.run import config_from_args, replay_all
+
+    _setup_logging(args.log_level)
+    cfg = config_from_args(args)
+    sock = _bind_or_explain(args)  # before launching: a busy port fails at once
+    if sock is None:
+        return 2
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
+                      threads=args.threads)
+    layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
+              else f"{args.decode} colocated")
+    sigs = _Signals()
+    try:
+        cluster.start()
+        sigs.raising = False
+        if not sigs.got:
+            run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
+                f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1", flush=True),
+                **_http_kwargs(args))
+    except (WorkerDied, TimeoutError) as exc:
+        print(f"pdkv serve: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
+        cluster.stop()
+        return 2
+    except _Stop as exc:
+        print(f"pdkv serve: stopped by {exc} while starting", file=sys.stderr)
+    finally:
+        sigs.raising = False
+        sock.close()
+    cluster.stop()
+    return _report(cluster, replay_all(cluster.freelogs()))
+
+
+def _report(cluster, problems: list[str]) -> int:
+    logs = cluster.freelogs()
+    print(f"pdkv serve: stopped; {len(logs)} free logs replayed, "
+          f"{'clean' if not problems else 'VIOLATIONS'}", flush=True)
+    for p in problems:
+        print(p, file=sys.stderr)
+    try:
+        cluster.check_exit_codes()
+    except Exception as exc:  # WorkerDied: named, with its log tail
+        print(f"pdkv serve: {exc}", file=sys.stderr)
+        return 2
+    if problems:
+        print(f"pdkv serve: logs kept in {cluster.log_dir}", file=sys.stderr)
+        return 1
+    cluster.cleanup()
+    return 0

@@ -1,0 +1,244 @@
+"""The OpenAI API over real HTTP: a 1P1D deployment (real processes, float64) behind
+``pdkv frontend``, driven with raw HTTP (httpx) and with the official ``openai`` client.
+
+Greedy outputs must equal the single-process reference token by token, and the same
+prompts through ``pdkv run`` must give the same tokens as through HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from common.model import generate_greedy
+from deploy.launcher import Cluster
+from deploy.workload import WorkloadSpec, make_workload
+from tests.http_helpers import CFG, KEY, assert_logs_clean, sse_events, start_frontend, stop
+from tests.model_helpers import prompt
+
+pytestmark = pytest.mark.timeout(240)
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """(cluster, url of a front door with --api-key); logs replayed clean at the end."""
+    tmp = tmp_path_factory.mktemp("http-api")
+    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp)).start()
+    proc, url = start_frontend(cluster.router_addr, tmp / "frontend.log", "--api-key", KEY)
+    try:
+        yield cluster, url
+    finally:
+        assert stop(proc) == 0
+        cluster.stop()
+        cluster.check_exit_codes()
+        assert_logs_clean(tmp)
+
+
+@pytest.fixture
+def url(deployment) -> str:
+    return deployment[1]
+
+
+@pytest.fixture
+def http(url):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def oai(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    return generate_greedy(model, [ids], n, page_size=CFG.page_size)[0]
+
+
+def test_models_and_health(http):
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == CFG.pool_tokens("decode")
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_with_token_ids_equals_the_reference(http, model):
+    ids = prompt(37, seed=5)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 9,
+                                           "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["token_ids"] == greedy(model, ids, 9)
+    assert choice["finish_reason"] == "length"
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["usage"] == {"prompt_tokens": 37, "completion_tokens": 9, "total_tokens": 46,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["prompt_token_ids"] == ids
+
+
+def test_stream_is_openai_sse_with_usage_last(http, model):
+    ids = prompt(20, seed=6)
+    body = {"prompt": ids, "max_tokens": 7, "temperature": 0, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+    streamed = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+    assert streamed == greedy(model, ids, 7)
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_openai_client_completions_stream_and_not(oai, model):
+    ids = prompt(15, seed=7)
+    want = greedy(model, ids, 6)
+    whole = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                   extra_body={"return_token_ids": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].model_extra["token_ids"] == want
+    assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens == 15
+    stream = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] \
+        == want
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+
+
+def test_stop_token_ids_end_the_output(http, model):
+    ids = prompt(25, seed=8)
+    full = greedy(model, ids, 12)
+    absent = next(t for t in range(CFG.model_config().vocab_size) if t not in full)
+    # the first stop id travels to the decode; the others are the front door's to apply
+    for stops in ([full[4]], [absent, full[3]]):
+        want = full[:full.index(next(t for t in full if t in stops)) + 1]
+        r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 12,
+                                               "temperature": 0, "stop_token_ids": stops,
+                                               "return_token_ids": True}).json()
+        assert r["choices"][0]["token_ids"] == want, stops
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert r["usage"]["completion_tokens"] == len(want)
+
+
+def test_request_ids_are_the_front_doors_own(http):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "user": "same-client"}
+    a, b = (http.post("/v1/completions", json=body).json() for _ in range(2))
+    assert a["id"] != b["id"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"prompt": [1, 2], "top_p": 0.5}, 400, "top_p"),
+    ({"prompt": [1, 2], "top_k": 5}, 400, "top_k"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": [1, 2], "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": [1, 2], "whatever": 1}, 400, "whatever"),
+    ({"prompt": [1, 2], "stop_token_ids": [512]}, 400, "stop_token_ids"),
+    ({"prompt": [1, 512]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[1], [2]]}, 400, "prompt"),
+    ({"prompt": "text needs a tokenizer"}, 400, "prompt"),
+    ({"prompt": [1, 2], "stop": "x"}, 400, "stop"),
+    ({}, 400, "prompt"),
+    ({"prompt": [1] * 600}, 413, "prompt"),
+    ({"prompt": [1] * 300, "max_tokens": 400}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_naming_the_parameter(http, body, status, param):
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"] and err["type"]
+
+
+def test_body_that_is_not_json_is_a_400(http):
+    r = http.post("/v1/completions", content=b"{not json", headers={
+        "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_chat_needs_a_tokenizer_and_says_so(http):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                              "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "token ids" in r.json()["error"]["message"]
+
+
+def test_api_key_is_required(url, oai):
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [1]}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health").status_code == 200  # health stays open
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        oai.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, top_p=0.1)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="other", prompt=[1, 2], max_tokens=2)
+
+
+def test_a_full_front_door_answers_429(deployment, tmp_path):
+    """With room for one waiting request: A runs and fills the decode pool, B waits for
+    the pool (no first token while A runs), C is refused with 429."""
+    cluster, _ = deployment
+    proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log", "--max-waiting", "1")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            a = {"prompt": prompt(300, seed=9), "max_tokens": 300, "temperature": 0,
+                 "stream": True}
+            b = {"prompt": prompt(10, seed=10), "max_tokens": 300, "stream": True}
+            with http.stream("POST", "/v1/completions", json=a) as ra:
+                lines_a = ra.iter_lines()
+                next(lines_a)  # A holds most of the decode pool now
+                with http.stream("POST", "/v1/completions", json=b) as rb:
+                    assert rb.status_code == 200
+                    rc = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+                    assert rc.status_code == 429, rc.text
+                    assert rc.json()["error"]["code"] == "rate_limit_exceeded"
+                    assert rc.headers["retry-after"] == "1"
+                    assert sse_events(rb.iter_lines())[-1] == "[DONE]"
+                assert sse_events(lines_a)[-1] == "[DONE]"
+    finally:
+        assert stop(proc) == 0
+
+
+def test_greedy_output_through_http_equals_pdkv_run(url, tmp_path):
+    spec = WorkloadSpec(requests=5, seed=11, rate=0.0, prompt_len=(4, 60), output_len=(3, 10))
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(CFG.to_dict()))
+    out = tmp_path / "run.jsonl"
+    subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--config", str(cfg),
+                    "--requests", "5", "--seed", "11", "--rate", "0", "--prompt-len", "4",
+                    "60", "--output-len", "3", "10", "--output", str(out)],
+                   check=True, timeout=180, capture_output=True)
+    ran = {r["rid"]: r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        for req in make_workload(spec, CFG.model_config().vocab_size):
+            r = http.post("/v1/completions", json={
+                "prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": 0,
+                "return_token_ids": True}).json()
+            assert r["choices"][0]["token_ids"] == ran[req.rid], req.rid
