@@ -214,4 +214,4 @@ def _routes(app: FastAPI) -> None:
         except ApiError as exc:
             return JSONResponse({"status": "unavailable", "reason": exc.message},
                                 status_code=503)
-        return {"status": "ok", "in_flight": len(d.live)}
+        return {"status": "ok", "open": len(d.live), "in_flight": d.bridge.in_flight}

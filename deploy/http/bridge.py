@@ -2,9 +2,12 @@
 
 This is the only module of ``deploy/http`` that speaks the router's control messages
 (``deploy.client.Client``); the rest sees ``Event`` values and ``RouterView``. It runs in
-the HTTP server's event loop: the client's DEALER socket is shadowed by an asyncio socket
-for waiting, and read and written only from the loop's thread (ZMQ sockets are not
-thread-safe).
+the HTTP server's event loop, which alone reads and writes the client's DEALER socket
+(ZMQ sockets are not thread-safe): the loop watches the socket's file descriptor and
+drains every message when it signals. That descriptor only tells that the socket's state
+changed, and a send may consume the signal of messages that arrived meanwhile, so each
+send checks ``ZMQ_EVENTS`` and schedules a drain itself (the pattern of pyzmq's own
+event-loop integrations).
 
 Deadlines: the router fails a request it cannot finish (worker lost, its own request
 timeout); the bridge asks for the router's status every ``status_interval_s`` and, when
@@ -20,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-import zmq.asyncio
 
 from deploy.client import Client
 
@@ -72,9 +74,10 @@ class RouterBridge:
                  router_timeout_s: float = 10.0) -> None:
         self.address = address
         self._client = Client(address, "http")
-        raw = self._client.link.sock
-        raw.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        self._sock = zmq.asyncio.Socket.from_socket(raw)
+        self._sock = self._client.link.sock
+        self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._abandoned: set[str] = set()
         self.view: RouterView | None = None
@@ -86,13 +89,16 @@ class RouterBridge:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Start the reader and the status loop in the running event loop."""
-        self._tasks = [asyncio.create_task(self._read(), name="bridge-read"),
-                       asyncio.create_task(self._watch(), name="bridge-status")]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._tasks = [asyncio.create_task(self._watch(), name="bridge-status")]
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
         self._fail_all("error", "front door shutting down")
         self._client.close()
 
@@ -147,16 +153,21 @@ class RouterBridge:
             send()
         except zmq.Again:
             raise RouterDown(f"router at {self.address} is not taking messages") from None
+        finally:
+            if (self._loop is not None and not self._drain_scheduled
+                    and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+                self._drain_scheduled = True
+                self._loop.call_soon(self._drain)
 
-    async def _read(self) -> None:
-        while True:
-            await self._sock.poll(flags=zmq.POLLIN)
-            for msg in self._client.poll(0):
-                try:
-                    self._dispatch(msg)
-                except (KeyError, TypeError, ValueError) as exc:
-                    logger.warning("http: bad message from the router %r: %s",
-                                   str(msg)[:120], exc)
+    def _drain(self) -> None:
+        """Dispatch every message waiting on the socket."""
+        self._drain_scheduled = False
+        for msg in self._client.poll(0):
+            try:
+                self._dispatch(msg)
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("http: bad message from the router %r: %s", str(msg)[:120],
+                               exc)
 
     async def _watch(self) -> None:
         while True:
