@@ -50,7 +50,7 @@ def _wait_router_idle(router: str, timeout_s: float = 30.0) -> None:
     client = Client(router, "test")
     try:
         deadline = time.monotonic() + timeout_s
-        while (n := client.status(2.0)["in_flight"]) and time.monotonic() < deadline:
+        while (n := client.status(2.0).in_flight) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert n == 0, f"{n} requests still in flight at the router"
     finally:

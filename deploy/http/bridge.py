@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from common.node import Done, Error, Malformed, Status, StatusReport, Tokens
 from deploy.client import Client
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class RouterBridge:
         """A fresh status from the router. Raises ``RouterDown`` past ``timeout_s``."""
         fut: asyncio.Future[RouterView] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
-        self._send(lambda: self._client.submit_raw({"t": "status"}))
+        self._send(lambda: self._client.send(Status()))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -163,16 +164,12 @@ class RouterBridge:
         """Dispatch every message waiting on the socket."""
         self._drain_scheduled = False
         for msg in self._client.poll(0):
-            try:
-                self._dispatch(msg)
-            except (KeyError, TypeError, ValueError) as exc:
-                logger.warning("http: bad message from the router %r: %s", str(msg)[:120],
-                               exc)
+            self._dispatch(msg)
 
     async def _watch(self) -> None:
         while True:
             try:
-                self._send(lambda: self._client.submit_raw({"t": "status"}))
+                self._send(lambda: self._client.send(Status()))
             except RouterDown as exc:
                 logger.warning("http: %s", exc)
             await asyncio.sleep(self._status_interval_s)
@@ -180,27 +177,30 @@ class RouterBridge:
                 self._fail_all("error", f"router at {self.address} silent for more than "
                                         f"{self._router_timeout_s}s")
 
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg["t"]
-        if kind == "status":
-            self.view = RouterView(msg["config"], msg["workers"], time.monotonic())
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StatusReport):
+            self.view = RouterView(msg.config, msg.workers, time.monotonic())
             for fut in self._waiters:
                 if not fut.done():
                     fut.set_result(self.view)
             return
-        rid = str(msg.get("rid", ""))
-        queue = self._queues.get(rid)
+        if isinstance(msg, Malformed):
+            logger.warning("http: undecodable message from the router (%s): %s", msg.code,
+                           msg.detail)
+        queue = self._queues.get(getattr(msg, "rid", ""))
         if queue is None:
             return  # an answer to an abort of a request that already ended, or stale
-        if kind == "tokens":
+        rid = msg.rid
+        if isinstance(msg, Tokens):
             if rid not in self._abandoned:
-                queue.put_nowait(Event(ids=list(msg["ids"])))
-        elif kind in ("done", "error"):
-            if kind == "error" and rid in self._abandoned:
-                return  # the abort raced the end: "done" comes (or came) on its own
-            reason = msg.get("reason", "refused" if kind == "error" else "error")
-            self._end(rid, Event(done=True, reason=reason, error=str(msg.get("error", "")),
-                                 cached_tokens=int(msg.get("cached_tokens", 0))))
+                queue.put_nowait(Event(ids=list(msg.ids)))
+        elif isinstance(msg, Done):
+            self._end(rid, Event(done=True, reason=msg.reason, error=msg.error,
+                                 cached_tokens=getattr(msg, "cached_tokens", 0)))
+        elif isinstance(msg, Error) and rid not in self._abandoned:
+            # a refused submit (an abort that raced the end is answered with an Error
+            # too: its Done comes, or came, on its own)
+            self._end(rid, Event(done=True, reason="refused", error=msg.error))
 
     def _end(self, rid: str, event: Event) -> None:
         queue = self._queues.pop(rid)

@@ -46,6 +46,9 @@ class _Sampling(BaseModel):
     user: str | None = None
     return_token_ids: bool = False
     """pdkv and vLLM extension: ``prompt_token_ids`` and per-choice ``token_ids``."""
+    ignore_eos: bool = False
+    """vLLM extension: keep generating past the model's end-of-sequence token (pdkv's
+    built-in models have none)."""
 
 
 class CompletionRequest(_Sampling):
