@@ -1,16 +1,20 @@
-"""``pdkv bench serve``: the same workload through colocated and 1P1D, in one run.
+"""``pdkv bench serve``: serving latency and goodput, fair comparisons, rate sweeps.
 
-Per mode and repeat a fresh deployment serves the seeded workload; the table quotes the
-median over repeats of each figure:
+Without ``--endpoint`` it compares disaggregated and colocated serving **on the same
+resources**: 1P1D (one prefill and one decode process) against two colocated workers
+(data parallel behind the same router), and with ``--layouts 2p2d`` 2P2D against four;
+every worker process has ``--threads`` torch threads, so both sides of a pair have the
+same processes and threads. With ``--endpoint URL`` it drives any OpenAI-compatible
+server (pdkv's ``pdkv serve`` or another) over streaming HTTP, like ``vllm bench serve``.
 
-- TTFT and TPOT p50/p99, output tokens/s (client-side, ``deploy.driver``);
-- KV transfer share of TTFT: the prefill's transfer tail (last chunk computed -> the
-  decode acknowledged every page) over the request's TTFT, median over requests; and
-  the TTFT added by disaggregation, p50(1P1D) / p50(colocated) - 1;
-- goodput: requests per second that met both the TTFT and the TPOT target.
-
-Modes alternate within a repeat (colocated, 1P1D, colocated, ...) so that machine noise
-hits both alike.
+For each rate of ``--rates`` (default: ``--rate``) and each deployment, a seeded workload
+(Poisson arrivals; every rate point its own seed, so no point reuses another's cached
+prefixes) reports TTFT, TPOT p50/p99, tokens/s, SLO attainment (share of requests with
+TTFT <= ``--ttft-target`` and TPOT <= ``--tpot-target``) and goodput (requests/s that met
+both), DistServe's view. The highest rate a deployment sustains is the highest rate
+point whose attainment is at least ``--slo-attainment``. Each figure is the median over
+``--repeats``; deployments alternate within a repeat so that machine noise hits all alike.
+``--plot FILE.png`` draws the sweep.
 """
 
 from __future__ import annotations
@@ -19,66 +23,173 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 
+from benchmarks.http_client import Record, Target, run, summarize_records
+from deploy.driver import Result, drive
 from deploy.launcher import Cluster
-from deploy.run import config_from_args, serve_workload, workload_from_args
-from deploy.summary import summarize
+from deploy.run import config_from_args, workload_from_args
+from deploy.workload import WorkloadSpec, make_workload
 
-MODES = (("colocated", 0, 1), ("disagg", 1, 1))
-FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tokens_per_s",
-           "kv_transfer_share_of_ttft_p50", "goodput_rps", "kv_bytes", "kv_gb_per_s")
+FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
+           "itl_p99_ms", "tokens_per_s", "goodput_rps", "slo_attainment")
+LAYOUTS = {"1p1d": [("1P1D", "disagg", 1, 1), ("2 colocated (DP)", "colocated", 0, 2)],
+           "2p2d": [("2P2D", "disagg", 2, 2), ("4 colocated (DP)", "colocated", 0, 4)]}
 
 
-def run_once(args: argparse.Namespace, mode: str, num_prefill: int, num_decode: int) -> dict:
-    cfg, spec = config_from_args(args), workload_from_args(args)
-    cluster = Cluster(cfg, mode, num_prefill, num_decode, threads=args.threads).start()
+def records_of(results: dict[str, Result]) -> list[Record]:
+    """The router client's results as client-side records (first and last token)."""
+    out = []
+    for r in results.values():
+        chunks = [r.t_first] + ([r.t_last] if len(r.output_ids) > 1 else [])
+        out.append(Record(r.prompt_len, r.t_submit, chunks if r.t_first else [], r.t_done,
+                          len(r.output_ids), r.reason,
+                          "" if r.ok else f"{r.reason or 'lost'}: {r.error}"))
+    return out
+
+
+def point(records: list[Record], args: argparse.Namespace) -> dict:
+    out = summarize_records(records, args.ttft_target, args.tpot_target)
+    out["slo_attainment"] = out["goodput_rps"] / out["requests_per_s"] if \
+        out["requests_per_s"] else 0.0
+    return out
+
+
+def _specs(args: argparse.Namespace) -> list[tuple[float, WorkloadSpec]]:
+    base = workload_from_args(args)
+    rates = args.rates or [args.rate]
+    return [(rate, replace(base, rate=rate, seed=base.seed + 1000 * i))
+            for i, rate in enumerate(rates)]
+
+
+def _sweep_cluster(args, mode: str, n_p: int, n_d: int) -> dict[float, dict]:
+    cfg = config_from_args(args)
+    vocab = cfg.model_config().vocab_size
+    cluster = Cluster(cfg, mode, n_p, n_d, threads=args.threads).start()
     try:
-        results, stats, wall = serve_workload(cluster, spec)
+        return {rate: point(records_of(drive(cluster.client, make_workload(spec, vocab),
+                                             check=cluster.check)), args)
+                for rate, spec in _specs(args)}
     finally:
         cluster.stop()
-    summary = summarize(results, stats, wall, args.ttft_target, args.tpot_target)
-    cluster.cleanup()
-    if summary["ok"] != summary["requests"]:
-        raise RuntimeError(f"{mode}: {summary['reasons']}")
-    return summary
+        cluster.check_exit_codes()
+        cluster.cleanup()
+
+
+def _sweep_endpoint(args) -> dict[float, dict]:
+    target = Target(args.endpoint.rstrip("/"), model=args.served_model or "",
+                    api_key=args.api_key or "", token_ids=not args.no_token_ids,
+                    ignore_eos=args.ignore_eos)
+    vocab = args.vocab_size or config_from_args(args).model_config().vocab_size
+    return {rate: point(run(target, make_workload(spec, vocab)), args)
+            for rate, spec in _specs(args)}
 
 
 def main(args: argparse.Namespace) -> int:
-    runs: dict[str, list[dict]] = {m: [] for m, _, _ in MODES}
-    for rep in range(args.repeats):
-        for mode, n_p, n_d in MODES:
-            runs[mode].append(run_once(args, mode, n_p, n_d))
-            print(f"  repeat {rep + 1}/{args.repeats} {mode} done", file=sys.stderr)
-    table = {m: {f: statistics.median(r[f] for r in rs) for f in FIGURES}
-             for m, rs in runs.items()}
-    added = table["disagg"]["ttft_p50_ms"] / max(table["colocated"]["ttft_p50_ms"], 1e-9) - 1
-    out = {"workload": {"requests": args.requests, "seed": args.seed, "rate": args.rate,
-                        "prompt_len": args.prompt_len, "output_len": args.output_len},
-           "repeats": args.repeats, "ttft_target_s": args.ttft_target,
-           "tpot_target_s": args.tpot_target, "modes": table,
-           "ttft_p50_added_by_disagg": added}
-    if args.json:
-        print(json.dumps(out))
+    if args.endpoint:
+        deployments = [(args.endpoint, None)]
     else:
-        print(format_table(out))
+        deployments = [(name, (mode, n_p, n_d)) for layout in args.layouts
+                       for name, mode, n_p, n_d in LAYOUTS[layout]]
+    runs: dict[str, list[dict[float, dict]]] = {name: [] for name, _ in deployments}
+    for rep in range(args.repeats):
+        for name, how in deployments:
+            runs[name].append(_sweep_endpoint(args) if how is None else
+                              _sweep_cluster(args, *how))
+            print(f"  repeat {rep + 1}/{args.repeats} {name} done", file=sys.stderr)
+    out = _result(args, runs)
+    print(json.dumps(out) if args.json else format_table(out))
+    if args.plot:
+        plot(out, args.plot)
+    failed = {name: pts for name, d in out["deployments"].items()
+              for pts in [[r for r, p in d["points"].items() if p["ok"] != p["requests"]]]
+              if pts}
+    if failed:
+        print(f"pdkv bench serve: requests failed at rates {failed}", file=sys.stderr)
+        return 0 if args.report_only else 1
     return 0
 
 
+def _result(args: argparse.Namespace, runs: dict[str, list[dict[float, dict]]]) -> dict:
+    deployments = {}
+    for name, reps in runs.items():
+        points = {}
+        for rate in reps[0]:
+            pts = [r[rate] for r in reps]
+            points[rate] = {f: statistics.median(p[f] for p in pts) for f in FIGURES}
+            points[rate]["requests"] = pts[0]["requests"]
+            points[rate]["output_tokens"] = min(p["output_tokens"] for p in pts)
+            points[rate]["ok"] = min(p["ok"] for p in pts)
+        sustained = [r for r, p in points.items() if p["slo_attainment"] >= args.slo_attainment]
+        deployments[name] = {"points": points, "max_rate_under_slo": max(sustained, default=0)}
+    return {"workload": {"requests": args.requests, "seed": args.seed,
+                         "prompt_len": args.prompt_len, "output_len": args.output_len,
+                         "turns": args.turns, "shared_prefix": args.shared_prefix},
+            "resources": _resources(args), "repeats": args.repeats,
+            "slo": {"ttft_s": args.ttft_target, "tpot_s": args.tpot_target,
+                    "attainment": args.slo_attainment},
+            "deployments": deployments}
+
+
+def _resources(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return f"the server at {args.endpoint}"
+    return (f"each pair has the same worker processes, {args.threads} torch thread(s) each, "
+            "behind one router")
+
+
 def format_table(out: dict) -> str:
-    t = out["modes"]
-    rows = [("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"), ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-            ("TPOT p50 (ms)", "tpot_p50_ms", "{:.2f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.2f}"),
-            ("output tokens/s", "tokens_per_s", "{:.1f}"),
-            ("KV transfer tail / TTFT (p50)", "kv_transfer_share_of_ttft_p50", "{:.1%}"),
-            ("KV moved (MB)", "kv_bytes", "{:.2f}"),
-            (f"goodput (req/s, TTFT<={out['ttft_target_s']}s & TPOT<={out['tpot_target_s']}s)",
-             "goodput_rps", "{:.2f}")]
+    slo = out["slo"]
     lines = [f"pdkv bench serve: {out['workload']}, medians of {out['repeats']} repeats",
-             f"{'':52s} {'colocated':>12s} {'1P1D':>12s}"]
-    for label, key, fmt in rows:
-        c, d = t["colocated"][key], t["disagg"][key]
-        if key == "kv_bytes":
-            c, d = c / 1e6, d / 1e6
-        lines.append(f"{label:52s} {fmt.format(c):>12s} {fmt.format(d):>12s}")
-    lines.append(f"TTFT p50 added by disaggregation: {out['ttft_p50_added_by_disagg']:+.1%}")
+             f"  resources: {out['resources']}",
+             f"  SLO: TTFT <= {slo['ttft_s']}s and TPOT <= {slo['tpot_s']}s",
+             f"{'rate/s':>7s} {'deployment':18s} {'TTFT p50':>9s} {'p99':>8s} "
+             f"{'TPOT p50':>9s} {'p99':>8s} {'tok/s':>8s} {'goodput':>8s} {'SLO met':>8s}"]
+    rates = sorted({r for d in out["deployments"].values() for r in d["points"]})
+    for rate in rates:
+        for name, d in out["deployments"].items():
+            p = d["points"].get(rate)
+            if p is None:
+                continue
+            lines.append(f"{rate:7.2f} {name:18s} {p['ttft_p50_ms']:8.1f}ms "
+                         f"{p['ttft_p99_ms']:6.1f}ms {p['tpot_p50_ms']:7.2f}ms "
+                         f"{p['tpot_p99_ms']:6.2f}ms {p['tokens_per_s']:8.1f} "
+                         f"{p['goodput_rps']:8.2f} {p['slo_attainment']:8.1%}")
+    best = ", ".join(f"{name} {d['max_rate_under_slo']:g}/s"
+                     for name, d in out["deployments"].items())
+    lines.append(f"highest rate with >= {slo['attainment']:.0%} of requests within the SLO: "
+                 f"{best}")
     return "\n".join(lines)
+
+
+def plot(out: dict, path: str) -> None:
+    """TTFT, TPOT (p50 solid, p99 dashed), goodput and SLO attainment against rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [(axes[0][0], "TTFT (ms)", "ttft"), (axes[0][1], "TPOT (ms)", "tpot"),
+              (axes[1][0], "goodput (requests/s)", "goodput_rps"),
+              (axes[1][1], "SLO attainment", "slo_attainment")]
+    for name, d in out["deployments"].items():
+        rates = sorted(d["points"])
+        pts = [d["points"][r] for r in rates]
+        for ax, _, key in panels:
+            if key in ("ttft", "tpot"):
+                line, = ax.plot(rates, [p[f"{key}_p50_ms"] for p in pts], "o-", label=name)
+                ax.plot(rates, [p[f"{key}_p99_ms"] for p in pts], "o--",
+                        color=line.get_color())
+            else:
+                ax.plot(rates, [p[key] for p in pts], "o-", label=name)
+    for ax, label, _ in panels:
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1][1].axhline(out["slo"]["attainment"], color="grey", lw=0.8)
+    fig.suptitle(f"pdkv bench serve ({out['resources']}; p50 solid, p99 dashed)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

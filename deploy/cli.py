@@ -78,6 +78,7 @@ def _add_bench(sub) -> None:
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
     _add_bench_serve(bench)
+    _add_bench_frontdoor(bench)
     _add_bench_spec(bench)
 
 
@@ -381,20 +382,80 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _add_bench_serve(bench) -> None:
-    p = bench.add_parser("serve", help="colocated vs 1P1D serving on the same workload",
-                         description="Run the same seeded workload through colocated and "
-                                     "1P1D in one run; report TTFT and TPOT p50/p99, "
-                                     "tokens/s, share of TTFT spent moving KV, goodput.")
-    p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians (default 3)")
+    p = bench.add_parser(
+        "serve", help="disaggregated vs colocated on the same resources, rate sweeps, "
+                      "or any OpenAI-compatible server (--endpoint)",
+        description="Serve one seeded workload per rate point and report TTFT/TPOT p50 "
+                    "and p99, tokens/s, SLO attainment and goodput. Without --endpoint: "
+                    "1P1D against two colocated workers (data parallel), 2P2D against "
+                    "four, every worker process with the same torch threads. With "
+                    "--endpoint URL: drive that server over streaming HTTP.",
+        epilog="exit status: 0; 1 when a request failed (unless --report-only).")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000; "
+                        "prompts are token ids drawn from --model's vocabulary or "
+                        "--vocab-size")
+    p.add_argument("--rates", type=float, nargs="+", metavar="R",
+                   help="rate sweep: requests/s of each point (default: --rate alone)")
+    p.add_argument("--layouts", nargs="+", choices=["1p1d", "2p2d"], default=["1p1d"],
+                   help="pairs to compare: 1p1d (vs 2 colocated), 2p2d (vs 4 colocated)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point; medians (default 3)")
     p.add_argument("--ttft-target", type=float, default=1.0, metavar="S",
-                   help="goodput TTFT target in seconds (default 1.0)")
+                   help="SLO: TTFT target in seconds (default 1.0)")
     p.add_argument("--tpot-target", type=float, default=0.1, metavar="S",
-                   help="goodput TPOT target in seconds (default 0.1)")
-    p.add_argument("--json", action="store_true", help="print results as JSON")
+                   help="SLO: TPOT target in seconds (default 0.1)")
+    p.add_argument("--slo-attainment", type=float, default=0.9, metavar="F",
+                   help="share of requests within the SLO for a rate to count as "
+                        "sustained (default 0.9)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw TTFT, TPOT, goodput and attainment against rate (needs "
+                        "matplotlib: pip install 'pdkv[plot]')")
+    p.add_argument("--json", action="store_true", help="print results as one JSON object")
+    p.add_argument("--report-only", action="store_true",
+                   help="exit 0 even when requests failed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    g = p.add_argument_group("with --endpoint")
+    g.add_argument("--served-model", metavar="NAME",
+                   help="model name to send (default: the server's first in /v1/models)")
+    g.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--vocab-size", type=int, metavar="N",
+                   help="draw prompt token ids from [0, N) (default: --model's vocabulary)")
+    g.add_argument("--no-token-ids", action="store_true",
+                   help="do not ask for return_token_ids (servers that refuse it); tokens "
+                        "are then counted from the final usage")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate past end-of-sequence (vLLM extension)")
     _add_workload_flags(p, 48)
     _add_config_flags(p)
     p.set_defaults(func=_run_bench_serve)
+
+
+def _add_bench_frontdoor(bench) -> None:
+    p = bench.add_parser(
+        "frontdoor", help="the HTTP front door's cost: HTTP vs straight into the router",
+        description="One 1P1D deployment serves the same workload in alternating passes "
+                    "straight into the router and through pdkv frontend over streaming "
+                    "HTTP; reports TTFT p50 added and the tokens/s ratio (goals: <= 1 ms, "
+                    ">= 0.95). The host tier is off unless --offload is given (a pass "
+                    "would reuse the previous pass's prefixes).",
+        epilog="exit status: 0 goals met; 1 a goal missed (unless --report-only) or a "
+               "request failed.")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="pass pairs after one warm-up pair; medians (default 5)")
+    p.add_argument("--ttft-target", type=float, default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--tpot-target", type=float, default=0.1, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print results as one JSON object")
+    p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    _add_workload_flags(p, 48)
+    _add_config_flags(p)
+    p.set_defaults(func=_run_bench_frontdoor)
+
+
+def _run_bench_frontdoor(args: argparse.Namespace) -> int:
+    from benchmarks.frontdoor import main as frontdoor_main
+
+    return frontdoor_main(args)
 
 
 def _run_bench_serve(args: argparse.Namespace) -> int:

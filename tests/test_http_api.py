@@ -242,3 +242,21 @@ def test_greedy_output_through_http_equals_pdkv_run(url, tmp_path):
                 "prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": 0,
                 "return_token_ids": True}).json()
             assert r["choices"][0]["token_ids"] == ran[req.rid], req.rid
+
+
+def test_bench_serve_drives_an_endpoint_over_streaming_http(url):
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "serve", "--endpoint", url,
+                        "--api-key", KEY, "--repeats", "1", "--requests", "6", "--rates", "20",
+                        "40", "--prompt-len", "4", "30", "--output-len", "2", "6", "--json"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    points = out["deployments"][url]["points"]
+    assert sorted(points) == ["20.0", "40.0"]
+    for rate, p in points.items():
+        spec = WorkloadSpec(requests=6, seed=1000 * (rate == "40.0"), rate=float(rate),
+                            prompt_len=(4, 30), output_len=(2, 6))
+        want = sum(q.max_new_tokens for q in make_workload(spec, CFG.model_config().vocab_size))
+        assert p["ok"] == p["requests"] == 6
+        assert p["output_tokens"] == want
+        assert p["ttft_p50_ms"] > 0 and p["itl_p50_ms"] > 0

@@ -1,0 +1,109 @@
+"""``pdkv bench frontdoor``: what the HTTP front door adds, measured in one run.
+
+One 1P1D deployment serves the same seeded workload in alternating passes, straight
+into the router (``deploy.driver``, as ``pdkv run`` sends it) and through ``pdkv
+frontend`` over streaming HTTP (``benchmarks.http_client``, as any OpenAI client sends
+it); the first pass of each kind is a warm-up. Per repeat it compares TTFT p50 and
+output tokens/s; the figures quoted are medians over repeats.
+
+Goals (the issue's): the HTTP path adds at most 1 ms to TTFT p50 and costs at most 5% of
+tokens/s at the default load. Exit status 1 on a miss unless ``--report-only``.
+
+The host tier is off unless ``--offload`` is given: with it, a pass would reuse the
+prefixes that the previous pass cached, and the second path would look faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from benchmarks.http_client import Target, run, summarize_records
+from benchmarks.serve import records_of
+from deploy.driver import drive
+from deploy.http.process import FrontendProcess
+from deploy.launcher import Cluster
+from deploy.run import config_from_args, workload_from_args
+from deploy.workload import make_workload
+
+TTFT_GOAL_MS = 1.0
+TOKENS_GOAL = 0.95
+
+
+def _pass(kind: str, cluster: Cluster, url: str, requests, args, n: int) -> dict:
+    if kind == "router":
+        # rids of one pass each: a rid just served is still closing on the KV peers
+        requests = [replace(r, rid=f"{r.rid}-p{n}") for r in requests]
+        recs = records_of(drive(cluster.client, requests, check=cluster.check))
+    else:
+        recs = run(Target(url), requests)
+    out = summarize_records(recs, args.ttft_target, args.tpot_target)
+    if out["ok"] != out["requests"]:
+        raise RuntimeError(f"{kind} pass: {out['requests'] - out['ok']} requests failed: "
+                           f"{out['errors']}")
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.offload is None:
+        cfg = cfg.with_overrides(offload=False, overcommit=False)
+    requests = make_workload(workload_from_args(args), cfg.model_config().vocab_size)
+    cluster = Cluster(cfg, "disagg", 1, 1, threads=args.threads).start()
+    runs: dict[str, list[dict]] = {"router": [], "http": []}
+    try:
+        with FrontendProcess(cluster.router_addr) as url:
+            for rep in range(args.repeats + 1):
+                order = ("router", "http") if rep % 2 else ("http", "router")
+                for kind in order:
+                    out = _pass(kind, cluster, url, requests, args, rep)
+                    if rep:  # repeat 0 warms both paths up
+                        runs[kind].append(out)
+                print(f"  repeat {rep}/{args.repeats} done{' (warm-up)' if not rep else ''}",
+                      file=sys.stderr)
+    finally:
+        cluster.stop()
+    cluster.cleanup()
+    return _report(args, runs)
+
+
+def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> int:
+    added = [h["ttft_p50_ms"] - r["ttft_p50_ms"] for r, h in zip(runs["router"], runs["http"])]
+    ratio = [h["tokens_per_s"] / r["tokens_per_s"] for r, h in zip(runs["router"],
+                                                                  runs["http"])]
+    med = {k: {f: statistics.median(x[f] for x in v) for f in
+               ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tokens_per_s")}
+           for k, v in runs.items()}
+    out = {"repeats": args.repeats, "requests": args.requests, "rate": args.rate,
+           "paths": med, "ttft_p50_added_ms": statistics.median(added),
+           "ttft_p50_added_ms_each": added, "tokens_per_s_ratio": statistics.median(ratio),
+           "tokens_per_s_ratio_each": ratio,
+           "goals": {"ttft_p50_added_ms": TTFT_GOAL_MS, "tokens_per_s_ratio": TOKENS_GOAL}}
+    misses = []
+    if out["ttft_p50_added_ms"] > TTFT_GOAL_MS:
+        misses.append(f"TTFT p50 added {out['ttft_p50_added_ms']:.2f} ms > {TTFT_GOAL_MS} ms")
+    if out["tokens_per_s_ratio"] < TOKENS_GOAL:
+        misses.append(f"tokens/s ratio {out['tokens_per_s_ratio']:.3f} < {TOKENS_GOAL}")
+    out["misses"] = misses
+    print(json.dumps(out) if args.json else _table(out))
+    if misses and not args.report_only:
+        print("pdkv bench frontdoor: MISSED: " + "; ".join(misses), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _table(out: dict) -> str:
+    p = out["paths"]
+    lines = [f"pdkv bench frontdoor: 1P1D, {out['requests']} requests at {out['rate']}/s, "
+             f"medians of {out['repeats']} repeats (alternating order)",
+             f"{'':24s} {'router':>10s} {'HTTP':>10s}"]
+    for label, key in (("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
+                       ("TPOT p50 (ms)", "tpot_p50_ms"), ("output tokens/s", "tokens_per_s")):
+        lines.append(f"{label:24s} {p['router'][key]:>10.2f} {p['http'][key]:>10.2f}")
+    lines.append(f"HTTP adds {out['ttft_p50_added_ms']:+.2f} ms to TTFT p50 (goal <= "
+                 f"{TTFT_GOAL_MS} ms); tokens/s ratio {out['tokens_per_s_ratio']:.3f} "
+                 f"(goal >= {TOKENS_GOAL})")
+    return "\n".join(lines)
