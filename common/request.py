@@ -68,10 +68,15 @@ class SamplingParams:
     """0 is greedy; > 0 samples from softmax(logits / temperature)."""
     seed: int = 0
     """Seed of sampling when temperature > 0 (a pure function of seed, rid and step)."""
+    top_k: int = -1
+    """When sampling: only the ``top_k`` most likely tokens (ties included); -1 or 0: all."""
+    top_p: float = 1.0
+    """When sampling: only the most likely tokens whose probabilities add up to ``top_p``
+    (nucleus sampling; the most likely token always stays); 1: all."""
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        allowed = {"max_new_tokens", "stop_token", "temperature", "seed"}
+        allowed = {"max_new_tokens", "stop_token", "temperature", "seed", "top_k", "top_p"}
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise BadRequest(f"unknown sampling parameters {unknown}; allowed: "
@@ -83,7 +88,8 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
-                "temperature": self.temperature, "seed": self.seed}
+                "temperature": self.temperature, "seed": self.seed, "top_k": self.top_k,
+                "top_p": self.top_p}
 
 
 def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
@@ -106,6 +112,11 @@ def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
                          f"[0, {vocab_size})")
     if not isinstance(params.seed, int):
         raise BadRequest(f"seed={params.seed!r} must be an integer")
+    if not isinstance(params.top_k, int) or params.top_k < -1:
+        raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1")
+    p = params.top_p
+    if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+        raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)")
     if len(prompt) + n > max_tokens:
         raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
                          f"largest pool row ({max_tokens} tokens)")

@@ -136,6 +136,16 @@ def test_stop_token_ids_end_the_output(http, model):
         assert r["usage"]["completion_tokens"] == len(want)
 
 
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token(http, model):
+    ids = prompt(18, seed=12)
+    want = greedy(model, ids, 8)
+    for extra in ({"top_k": 1}, {"top_p": 1e-9}, {"top_k": 1, "top_p": 0.5}):
+        r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 8,
+                                               "temperature": 1.0, "seed": 3,
+                                               "return_token_ids": True, **extra}).json()
+        assert r["choices"][0]["token_ids"] == want, extra
+
+
 def test_request_ids_are_the_front_doors_own(http):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "user": "same-client"}
     a, b = (http.post("/v1/completions", json=body).json() for _ in range(2))
@@ -144,8 +154,9 @@ def test_request_ids_are_the_front_doors_own(http):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": [1, 2], "n": 2}, 400, "n"),
-    ({"prompt": [1, 2], "top_p": 0.5}, 400, "top_p"),
-    ({"prompt": [1, 2], "top_k": 5}, 400, "top_k"),
+    ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": [1, 2], "top_k": -5}, 400, "top_k"),
     ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": 100000}, 400, "max_tokens"),
@@ -196,7 +207,7 @@ def test_api_key_is_required(url, oai):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="top_p"):
-        oai.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, top_p=0.1)
+        oai.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, top_p=7)
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="other", prompt=[1, 2], max_tokens=2)
 

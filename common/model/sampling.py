@@ -1,4 +1,5 @@
-"""Choosing tokens from logits: greedy, or seeded temperature sampling.
+"""Choosing tokens from logits: greedy, or seeded temperature sampling with top-k and
+top-p (nucleus) truncation.
 
 Sampling is a pure function of (params.seed, rid, step), so a request produces the same
 tokens wherever its steps run (prefill computes step 0, decode the rest).
@@ -24,8 +25,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], rids: list[str],
             continue
         gen = torch.Generator().manual_seed(_seed(p.seed, rids[i], steps[i]))
         probs = torch.softmax(logits[i].double().cpu() / p.temperature, dim=-1)
+        probs = truncate(probs, p.top_k, p.top_p)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+def truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``probs`` ([vocab]) with every token outside the top ``top_k`` (ties kept), then
+    outside the nucleus ``top_p`` of what is left, set to 0 (not renormalised:
+    ``torch.multinomial`` takes weights). The most likely token always stays."""
+    if 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        ranked, order = probs.sort(descending=True)
+        before = ranked.cumsum(0) - ranked  # mass of the more likely tokens
+        ranked = torch.where(before < top_p * ranked.sum(), ranked, torch.zeros_like(ranked))
+        probs = torch.zeros_like(probs).scatter_(0, order, ranked)
+    return probs
 
 
 def _seed(seed: int, rid: str, step: int) -> int:

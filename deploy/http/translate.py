@@ -96,7 +96,9 @@ def _plan(req: _Sampling, prompt: list[int], max_tokens: int, lim: Limits,
     temperature = 1.0 if req.temperature is None else req.temperature
     params = {"max_new_tokens": max_tokens, "temperature": temperature,
               "seed": req.seed if req.seed is not None else 0,
-              "stop_token": req.stop_token_ids[0] if req.stop_token_ids else -1}
+              "stop_token": req.stop_token_ids[0] if req.stop_token_ids else -1,
+              "top_k": req.top_k if req.top_k is not None else -1,
+              "top_p": req.top_p if req.top_p is not None else 1.0}
     opts = req.stream_options
     if opts is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
@@ -148,12 +150,12 @@ def _check_sampling(req: _Sampling) -> None:
     if req.temperature is not None and not 0 <= req.temperature <= 2:
         raise ApiError(400, f"temperature={req.temperature}; allowed: 0 (greedy) to 2",
                        param="temperature")
-    if req.top_p is not None and req.top_p != 1.0:
-        raise ApiError(400, f"top_p={req.top_p}: pdkv samples from the full distribution "
-                            "only (top_p=1)", param="top_p")
-    if req.top_k not in (None, 0, -1):
-        raise ApiError(400, f"top_k={req.top_k}: pdkv samples from the full distribution "
-                            "only (top_k=-1 or 0)", param="top_k")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise ApiError(400, f"top_p={req.top_p}; allowed: (0, 1] (1 = all tokens)",
+                       param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(400, f"top_k={req.top_k}; allowed: -1 or 0 (all tokens) or >= 1",
+                       param="top_k")
     _refuse_unsupported(req, {"presence_penalty": (req.presence_penalty, None, 0.0),
                               "frequency_penalty": (req.frequency_penalty, None, 0.0),
                               "logit_bias": (req.logit_bias, None, {})})
