@@ -256,6 +256,9 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="requests the front door holds without a first token; beyond them "
                         "a 429 (default 256)")
+    g.add_argument("--router-timeout-s", type=float, default=10.0, metavar="S",
+                   help="the router silent this long ends every open request with an error "
+                        "and answers 503 until it is back (default 10)")
     g.add_argument("--http-log-level", default="warning",
                    choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning; info logs each connection)")

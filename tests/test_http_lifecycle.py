@@ -185,3 +185,36 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_no_router_is_a_503_with_the_reason(tmp_path):
+    proc, url = start_frontend(f"ipc://{tmp_path}/nobody.sock", tmp_path / "fe.log")
+    try:
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "not answering" in health.json()["reason"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert r.status_code == 503 and "not answering" in r.json()["error"]["message"]
+    finally:
+        assert stop(proc) == 0
+
+
+def test_a_lost_router_ends_open_streams_with_an_error(tmp_path):
+    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log",
+                               "--router-timeout-s", "1.5")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            body = {"prompt": prompt(8, seed=400), "max_tokens": 620, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                lines = r.iter_lines()
+                next(lines)
+                router = next(p for p in cluster.procs if p.role == "router")
+                router.popen.send_signal(signal.SIGKILL)
+                events = sse_events(lines)
+            assert len(events) >= 2 and events[-1] == "[DONE]", events
+            assert "silent" in events[-2]["error"]["message"], events[-2]
+            assert http.get("/health").status_code == 503
+    finally:
+        assert stop(proc) == 0
+        cluster.stop()

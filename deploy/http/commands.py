@@ -43,7 +43,8 @@ def _setup_logging(level: str) -> None:
 
 def _http_kwargs(args: argparse.Namespace) -> dict:
     return dict(model_name=args.served_model_name or "", api_key=args.api_key or "",
-                max_waiting=args.max_waiting, log_level=args.http_log_level)
+                max_waiting=args.max_waiting, log_level=args.http_log_level,
+                router_timeout_s=args.router_timeout_s)
 
 
 def _bind_or_explain(args: argparse.Namespace) -> socket.socket | None:
@@ -58,6 +59,10 @@ def _bind_or_explain(args: argparse.Namespace) -> socket.socket | None:
 def frontend_main(args: argparse.Namespace) -> int:
     """``pdkv frontend --router ADDR``: exit 0 after SIGINT/SIGTERM."""
     _setup_logging(args.log_level)
+    if args.router_timeout_s <= 0:
+        print(f"pdkv frontend: --router-timeout-s={args.router_timeout_s} must be > 0",
+              file=sys.stderr)
+        return 2
     sock = _bind_or_explain(args)
     if sock is None:
         return 2
