@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -24,7 +25,7 @@ from dataclasses import replace
 from benchmarks.http_client import Target, run, summarize_records
 from benchmarks.serve import records_of
 from deploy.driver import drive
-from deploy.http.process import FrontendProcess
+from deploy.http.process import ServerProcess, frontend_process
 from deploy.launcher import Cluster
 from deploy.run import config_from_args, workload_from_args
 from deploy.workload import make_workload
@@ -33,14 +34,24 @@ TTFT_GOAL_MS = 1.0
 TOKENS_GOAL = 0.95
 
 
-def _pass(kind: str, cluster: Cluster, url: str, requests, args, n: int) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pass(kind: str, cluster: Cluster, fe: ServerProcess, requests, args, n: int) -> dict:
+    cpu0 = cpu_s(fe.pid)
     if kind == "router":
         # rids of one pass each: a rid just served is still closing on the KV peers
         requests = [replace(r, rid=f"{r.rid}-p{n}") for r in requests]
         recs = records_of(drive(cluster.client, requests, check=cluster.check))
     else:
-        recs = run(Target(url), requests)
+        recs = run(Target(fe.url), requests)
     out = summarize_records(recs, args.ttft_target, args.tpot_target)
+    # the front door's own CPU while it served (its idle status polls in the router pass)
+    out["frontdoor_cpu_ms_per_request"] = (cpu_s(fe.pid) - cpu0) * 1e3 / len(requests)
     if out["ok"] != out["requests"]:
         raise RuntimeError(f"{kind} pass: {out['requests'] - out['ok']} requests failed: "
                            f"{out['errors']}")
@@ -55,11 +66,12 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster(cfg, "disagg", 1, 1, threads=args.threads).start()
     runs: dict[str, list[dict]] = {"router": [], "http": []}
     try:
-        with FrontendProcess(cluster.router_addr) as url:
+        fe = frontend_process(cluster.router_addr)
+        with fe:
             for rep in range(args.repeats + 1):
                 order = ("router", "http") if rep % 2 else ("http", "router")
                 for kind in order:
-                    out = _pass(kind, cluster, url, requests, args, rep)
+                    out = _pass(kind, cluster, fe, requests, args, rep)
                     if rep:  # repeat 0 warms both paths up
                         runs[kind].append(out)
                 print(f"  repeat {rep}/{args.repeats} done{' (warm-up)' if not rep else ''}",
@@ -75,7 +87,8 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> int:
     ratio = [h["tokens_per_s"] / r["tokens_per_s"] for r, h in zip(runs["router"],
                                                                   runs["http"])]
     med = {k: {f: statistics.median(x[f] for x in v) for f in
-               ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tokens_per_s")}
+               ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tokens_per_s",
+                "frontdoor_cpu_ms_per_request")}
            for k, v in runs.items()}
     out = {"repeats": args.repeats, "requests": args.requests, "rate": args.rate,
            "paths": med, "ttft_p50_added_ms": statistics.median(added),
@@ -103,6 +116,9 @@ def _table(out: dict) -> str:
     for label, key in (("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
                        ("TPOT p50 (ms)", "tpot_p50_ms"), ("output tokens/s", "tokens_per_s")):
         lines.append(f"{label:24s} {p['router'][key]:>10.2f} {p['http'][key]:>10.2f}")
+    lines.append(f"{'front door CPU/request (ms)':24s} "
+                 f"{p['router']['frontdoor_cpu_ms_per_request']:>10.2f} "
+                 f"{p['http']['frontdoor_cpu_ms_per_request']:>10.2f}")
     lines.append(f"HTTP adds {out['ttft_p50_added_ms']:+.2f} ms to TTFT p50 (goal <= "
                  f"{TTFT_GOAL_MS} ms); tokens/s ratio {out['tokens_per_s_ratio']:.3f} "
                  f"(goal >= {TOKENS_GOAL})")

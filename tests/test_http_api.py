@@ -18,7 +18,7 @@ import pytest
 from common.model import generate_greedy
 from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, make_workload
-from tests.http_helpers import CFG, KEY, assert_logs_clean, sse_events, start_frontend, stop
+from tests.http_helpers import CFG, KEY, assert_logs_clean, sse_events, start_frontend
 from tests.model_helpers import prompt
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,7 +34,7 @@ def deployment(tmp_path_factory):
     try:
         yield cluster, url
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
         cluster.stop()
         cluster.check_exit_codes()
         assert_logs_clean(tmp)
@@ -234,7 +234,7 @@ def test_a_full_front_door_answers_429(deployment, tmp_path):
                     assert sse_events(rb.iter_lines())[-1] == "[DONE]"
                 assert sse_events(lines_a)[-1] == "[DONE]"
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
 
 
 def test_greedy_output_through_http_equals_pdkv_run(url, tmp_path):

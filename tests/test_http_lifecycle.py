@@ -22,7 +22,6 @@ from tests.http_helpers import (
     sse_events,
     start_frontend,
     start_serve,
-    stop,
 )
 from tests.model_helpers import prompt
 
@@ -65,7 +64,7 @@ def frontdoor(tmp_path):
     try:
         yield cluster, url, tmp_path
     finally:
-        stop(proc)
+        proc.stop()
         cluster.stop()
 
 
@@ -159,7 +158,7 @@ def test_sigterm_of_pdkv_serve_ends_every_stream_with_an_error(tmp_path):
             plain = asyncio.create_task(whole())
             await asyncio.wait_for(started.wait(), 120)
             await asyncio.sleep(0.2)  # the plain request is in flight too
-            proc.send_signal(signal.SIGTERM)
+            proc.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks), await plain
 
     streams, plain = asyncio.run(main())
@@ -168,9 +167,9 @@ def test_sigterm_of_pdkv_serve_ends_every_stream_with_an_error(tmp_path):
         assert "error" in events[-2] and "shutting down" in events[-2]["error"]["message"]
         assert all("choices" in e for e in events[:-2])
     assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
-    assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    out = proc.stdout.read().decode()
-    proc.stdout.close()
+    assert proc.proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    out = proc.proc.stdout.read().decode()
+    proc.stop()
     assert "free logs replayed, clean" in out, out
     left = {pid for pid in children if _alive(pid)}
     assert not left, f"processes left behind: {left}"
@@ -195,7 +194,7 @@ def test_no_router_is_a_503_with_the_reason(tmp_path):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
         assert r.status_code == 503 and "not answering" in r.json()["error"]["message"]
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
 
 
 def test_a_lost_router_ends_open_streams_with_an_error(tmp_path):
@@ -216,5 +215,5 @@ def test_a_lost_router_ends_open_streams_with_an_error(tmp_path):
             assert "silent" in events[-2]["error"]["message"], events[-2]
             assert http.get("/health").status_code == 503
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
         cluster.stop()

@@ -1,4 +1,5 @@
-"""``pdkv frontend`` as a child process (benchmarks and tests): start, URL, stop."""
+"""``pdkv frontend`` or ``pdkv serve`` as a child process (benchmarks and tests): start,
+wait for the URL it prints, stop."""
 
 from __future__ import annotations
 
@@ -15,18 +16,16 @@ from pathlib import Path
 _URL = re.compile(r"(http://[0-9.]+:[0-9]+)/v1")
 
 
-class FrontendProcess:
-    """A front door on 127.0.0.1 (a free port) in front of ``router``.
+class ServerProcess:
+    """``pdkv ARGS...`` serving HTTP; ``start`` returns the URL it prints.
 
     Args:
-        router: the router's address.
-        args: more ``pdkv frontend`` flags (``--api-key``, ``--max-waiting``...).
+        args: the command line after ``pdkv`` (``serve --port 0 ...``).
         log: where its stderr goes (default: a temporary file).
     """
 
-    def __init__(self, router: str, *args: str, log: Path | None = None) -> None:
-        self.argv = [sys.executable, "-m", "deploy.cli", "frontend", "--router", router,
-                     "--host", "127.0.0.1", "--port", "0", *args]
+    def __init__(self, args: list[str], log: Path | None = None) -> None:
+        self.argv = [sys.executable, "-m", "deploy.cli", *args]
         self.log = log or Path(tempfile.mkstemp(prefix="pdkv-frontend-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -46,11 +45,15 @@ class FrontendProcess:
                 self.url = m.group(1)
                 return self.url
         self.stop()
-        raise RuntimeError(f"pdkv frontend did not start within {timeout_s}s (exit "
+        raise RuntimeError(f"pdkv {self.argv[3]} did not start within {timeout_s}s (exit "
                            f"{self.proc.returncode}); log {self.log}:\n"
                            f"{self.log.read_text()[-2000:]}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else 0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
         """Signal it, wait, SIGKILL past the deadline; its exit status."""
         if self.proc is None:
             return None
@@ -70,3 +73,10 @@ class FrontendProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def frontend_process(router: str, *args: str, log: Path | None = None) -> ServerProcess:
+    """A front door on 127.0.0.1 (a free port) in front of ``router``; ``args``: more
+    ``pdkv frontend`` flags (``--api-key``, ``--max-waiting``...)."""
+    return ServerProcess(["frontend", "--router", router, "--host", "127.0.0.1", "--port", "0",
+                          *args], log)
