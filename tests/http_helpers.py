@@ -15,6 +15,8 @@ CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=1
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
                   debug_integrity=True)
 KEY = "sk-test-key"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+"""Greedy, and past any end-of-sequence id: outputs compare with the reference."""
 
 
 def start_frontend(router: str, log: Path, *args: str) -> tuple[ServerProcess, str]:

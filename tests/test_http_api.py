@@ -16,13 +16,17 @@ import openai
 import pytest
 
 from common.model import generate_greedy
+from deploy.http.text import load_text_model
 from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, make_workload
-from tests.http_helpers import CFG, KEY, assert_logs_clean, sse_events, start_frontend
+from tests.http_helpers import CFG, GREEDY, KEY, assert_logs_clean, sse_events, start_frontend
 from tests.model_helpers import prompt
 
 pytestmark = pytest.mark.timeout(240)
 AUTH = {"authorization": f"Bearer {KEY}"}
+TEXT = load_text_model(CFG.to_dict())
+needs_text = pytest.mark.skipif(TEXT is None, reason="the model package has no tokenizer")
+ids_only = pytest.mark.skipif(TEXT is not None, reason="the served model has a tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,7 @@ def test_models_and_health(http):
 def test_completion_with_token_ids_equals_the_reference(http, model):
     ids = prompt(37, seed=5)
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 9,
-                                           "temperature": 0, "return_token_ids": True})
+                                           **GREEDY, "return_token_ids": True})
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -87,7 +91,7 @@ def test_completion_with_token_ids_equals_the_reference(http, model):
 
 def test_stream_is_openai_sse_with_usage_last(http, model):
     ids = prompt(20, seed=6)
-    body = {"prompt": ids, "max_tokens": 7, "temperature": 0, "stream": True,
+    body = {"prompt": ids, "max_tokens": 7, **GREEDY, "stream": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -108,13 +112,13 @@ def test_openai_client_completions_stream_and_not(oai, model):
     ids = prompt(15, seed=7)
     want = greedy(model, ids, 6)
     whole = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
-                                   extra_body={"return_token_ids": True})
+                                   extra_body={"return_token_ids": True, "ignore_eos": True})
     assert whole.choices[0].finish_reason == "length"
     assert whole.choices[0].model_extra["token_ids"] == want
     assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens == 15
     stream = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
                                     stream=True, stream_options={"include_usage": True},
-                                    extra_body={"return_token_ids": True})
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
     chunks = list(stream)
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] \
         == want
@@ -129,7 +133,7 @@ def test_stop_token_ids_end_the_output(http, model):
     for stops in ([full[4]], [absent, full[3]]):
         want = full[:full.index(next(t for t in full if t in stops)) + 1]
         r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 12,
-                                               "temperature": 0, "stop_token_ids": stops,
+                                               **GREEDY, "stop_token_ids": stops,
                                                "return_token_ids": True}).json()
         assert r["choices"][0]["token_ids"] == want, stops
         assert r["choices"][0]["finish_reason"] == "stop"
@@ -170,8 +174,6 @@ def test_request_ids_are_the_front_doors_own(http):
     ({"prompt": [1, 512]}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [[1], [2]]}, 400, "prompt"),
-    ({"prompt": "text needs a tokenizer"}, 400, "prompt"),
-    ({"prompt": [1, 2], "stop": "x"}, 400, "stop"),
     ({}, 400, "prompt"),
     ({"prompt": [1] * 600}, 413, "prompt"),
     ({"prompt": [1] * 300, "max_tokens": 400}, 400, "max_tokens"),
@@ -191,11 +193,51 @@ def test_body_that_is_not_json_is_a_400(http):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_chat_needs_a_tokenizer_and_says_so(http):
+@ids_only
+def test_text_needs_a_tokenizer_and_says_so(http):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user",
                                                               "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert "token ids" in r.json()["error"]["message"]
+    for body, param in (({"prompt": "some text"}, "prompt"),
+                        ({"prompt": [1, 2], "stop": "x"}, "stop")):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@needs_text
+def test_a_text_prompt_is_encoded_and_its_output_decoded(http, model):
+    ids = TEXT.encode("The quick brown fox")
+    body = {"prompt": "The quick brown fox", "max_tokens": 10, **GREEDY,
+            "return_token_ids": True}
+    whole = http.post("/v1/completions", json=body).json()
+    assert whole["prompt_token_ids"] == ids
+    assert whole["choices"][0]["token_ids"] == greedy(model, ids, 10)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = sse_events(r.iter_lines())[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert whole["choices"][0]["text"]
+
+
+@needs_text
+def test_chat_streams_text_and_stops_before_a_stop_string(http, oai):
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hello!"}], "max_tokens": 16, **GREEDY}
+    full = http.post("/v1/chat/completions", json=body).json()
+    text = full["choices"][0]["message"]["content"]
+    assert full["object"] == "chat.completion" and len(text) > 6, text
+    stop = text[3:6]
+    want = text[:text.index(stop)]
+    cut = http.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()
+    assert cut["choices"][0]["message"]["content"] == want
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    stream = oai.chat.completions.create(model="tiny", messages=body["messages"],
+                                         max_tokens=16, temperature=0, stop=[stop],
+                                         stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_api_key_is_required(url, oai):
@@ -219,9 +261,10 @@ def test_a_full_front_door_answers_429(deployment, tmp_path):
     proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log", "--max-waiting", "1")
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            a = {"prompt": prompt(300, seed=9), "max_tokens": 300, "temperature": 0,
+            a = {"prompt": prompt(300, seed=9), "max_tokens": 300, **GREEDY,
                  "stream": True}
-            b = {"prompt": prompt(10, seed=10), "max_tokens": 300, "stream": True}
+            b = {"prompt": prompt(10, seed=10), "max_tokens": 300, "stream": True,
+                 "ignore_eos": True}
             with http.stream("POST", "/v1/completions", json=a) as ra:
                 lines_a = ra.iter_lines()
                 next(lines_a)  # A holds most of the decode pool now
@@ -250,15 +293,16 @@ def test_greedy_output_through_http_equals_pdkv_run(url, tmp_path):
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         for req in make_workload(spec, CFG.model_config().vocab_size):
             r = http.post("/v1/completions", json={
-                "prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": 0,
+                "prompt": req.prompt, "max_tokens": req.max_new_tokens, **GREEDY,
                 "return_token_ids": True}).json()
             assert r["choices"][0]["token_ids"] == ran[req.rid], req.rid
 
 
 def test_bench_serve_drives_an_endpoint_over_streaming_http(url):
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "serve", "--endpoint", url,
-                        "--api-key", KEY, "--repeats", "1", "--requests", "6", "--rates", "20",
-                        "40", "--prompt-len", "4", "30", "--output-len", "2", "6", "--json"],
+                        "--api-key", KEY, "--ignore-eos", "--repeats", "1", "--requests", "6",
+                        "--rates", "20", "40", "--prompt-len", "4", "30", "--output-len", "2",
+                        "6", "--json"],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

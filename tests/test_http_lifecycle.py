@@ -17,6 +17,7 @@ from deploy.client import Client
 from deploy.launcher import Cluster
 from tests.http_helpers import (
     CFG,
+    GREEDY,
     assert_logs_clean,
     children_of,
     sse_events,
@@ -75,7 +76,7 @@ def test_200_concurrent_streams_all_complete(frontdoor):
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
             bodies = [{"prompt": prompt(4 + i % 29, seed=i), "max_tokens": 2 + i % 5,
-                       "temperature": 0, "return_token_ids": True} for i in range(200)]
+                       **GREEDY, "return_token_ids": True} for i in range(200)]
             return bodies, await asyncio.gather(*(_stream(client, b) for b in bodies))
 
     bodies, streams = asyncio.run(main())
@@ -139,7 +140,7 @@ def test_sigterm_of_pdkv_serve_ends_every_stream_with_an_error(tmp_path):
                 nonlocal n_started
                 events = []
                 body = {"prompt": prompt(8, seed=200 + i), "max_tokens": 1500,
-                        "temperature": 0, "stream": True}
+                        **GREEDY, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         events += sse_events([line])
@@ -152,7 +153,7 @@ def test_sigterm_of_pdkv_serve_ends_every_stream_with_an_error(tmp_path):
             async def whole():
                 await started.wait()
                 return await client.post("/v1/completions", json={
-                    "prompt": prompt(8, seed=300), "max_tokens": 1500})
+                    "prompt": prompt(8, seed=300), "max_tokens": 1500, "ignore_eos": True})
 
             tasks = [asyncio.create_task(one(i)) for i in range(5)]
             plain = asyncio.create_task(whole())
@@ -203,7 +204,8 @@ def test_a_lost_router_ends_open_streams_with_an_error(tmp_path):
                                "--router-timeout-s", "1.5")
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            body = {"prompt": prompt(8, seed=400), "max_tokens": 620, "stream": True}
+            body = {"prompt": prompt(8, seed=400), "max_tokens": 620, "stream": True,
+                    "ignore_eos": True}
             with http.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200, r.read()
                 lines = r.iter_lines()

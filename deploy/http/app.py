@@ -92,8 +92,8 @@ class FrontDoor:
             raise ApiError(429, f"{waiting} requests are waiting for their first token "
                                 f"(the front door holds at most {self.max_waiting}); retry "
                                 "later", code="rate_limit_exceeded", headers={"retry-after": "1"})
-        detok = text.detokenizer(plan.prompt) if text is not None else None
-        gen = Generation(self.bridge, plan, detok)
+        stream = text.stream(plan.prompt, plan.stop_strs) if text is not None else None
+        gen = Generation(self.bridge, plan, stream)
         try:
             gen.start()
         except RouterDown as exc:

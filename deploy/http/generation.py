@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deploy.http.bridge import Event, RouterBridge
-from deploy.http.text import Detokenizer
+from deploy.http.text import TextStream
 from deploy.http.translate import Plan
 
 # router reasons -> OpenAI finish_reason; anything else is a failure of the request
@@ -31,36 +31,12 @@ class Delta:
     finish_reason: str | None = None
 
 
-@dataclass
-class _StopText:
-    """Text so far and how much of it was handed out: a tail as long as the longest stop
-    string minus one is held back, since a stop string may begin in it."""
-
-    stops: tuple[str, ...]
-    text: str = ""
-    emitted: int = 0
-
-    def add(self, piece: str) -> tuple[str, bool]:
-        """(text to hand out now, a stop string was found)."""
-        start = max(0, self.emitted - max(map(len, self.stops)) + 1)
-        self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            return self._take(len(self.text)), True
-        hold = max(map(len, self.stops)) - 1
-        return self._take(max(self.emitted, len(self.text) - hold)), False
-
-    def _take(self, end: int) -> str:
-        out, self.emitted = self.text[self.emitted:end], end
-        return out
-
-
 @dataclass(eq=False)
 class Generation:
     bridge: RouterBridge
     plan: Plan
-    detok: Detokenizer | None = None
+    text: TextStream | None = None
+    """The output's text (None: the model serves token ids only)."""
     rid: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     ids: list[int] = field(default_factory=list)
@@ -71,13 +47,10 @@ class Generation:
     cached_tokens: int = 0
     t_first: float = 0.0
     _queue: asyncio.Queue[Event] | None = None
-    _stop_text: _StopText | None = None
 
     def start(self) -> None:
         """Submit to the router (raises ``RouterDown``)."""
         self._queue = self.bridge.submit(self.rid, self.plan.prompt, self.plan.params)
-        if self.plan.stop_strs:
-            self._stop_text = _StopText(self.plan.stop_strs)
 
     @property
     def waiting(self) -> bool:
@@ -107,10 +80,10 @@ class Generation:
                     yield delta
             if event.done and not self.ended:
                 self.cached_tokens = event.cached_tokens
-                tail = self.detok.flush() if self.detok is not None else ""
                 if event.reason in _FINISH:
-                    self.finish_reason = _FINISH[event.reason]
-                    yield Delta([], self._text(tail, final=True), self.finish_reason)
+                    tail, hit = self.text.finish() if self.text is not None else ("", False)
+                    self.finish_reason = "stop" if hit else _FINISH[event.reason]
+                    yield Delta([], tail, self.finish_reason)
                 else:
                     self.failed_reason, self.error = event.reason, event.error
 
@@ -118,21 +91,16 @@ class Generation:
         stop_at = next((i for i, t in enumerate(ids) if t in self.plan.stop_ids), None)
         if stop_at is not None:
             ids = ids[:stop_at + 1]
-        self.ids.extend(ids)
         text_ids = ids[:-1] if stop_at is not None else ids  # a stop id's text is not shown
-        piece = self.detok.add(text_ids) if self.detok is not None and text_ids else ""
-        text, hit = (self._stop_text.add(piece) if self._stop_text is not None
-                     else (piece, False))
+        text, hit = "", False
+        if self.text is not None and text_ids:
+            taken, text, hit = self.text.feed(text_ids)
+            ids = ids[:taken] if hit else ids
+        self.ids.extend(ids)
         if stop_at is not None or hit:
             self._finish_here("stop")
             return Delta(ids, text, "stop")
         return Delta(ids, text)
-
-    def _text(self, tail: str, final: bool) -> str:
-        if self._stop_text is None:
-            return tail
-        text, _ = self._stop_text.add(tail)
-        return text + self._stop_text._take(len(self._stop_text.text)) if final else text
 
     def _finish_here(self, reason: str) -> None:
         """The front door ended the output: stop the workers too."""

@@ -45,7 +45,9 @@ class Plan:
     params: dict
     """Sampling parameters for the router (``common.request.SamplingParams`` fields)."""
     stop_ids: frozenset[int]
-    """Token ids that end the output (the first also travels to the decode)."""
+    """Token ids that end the output (``stop_token_ids`` and, for a model with a tokenizer
+    unless ``ignore_eos``, its end-of-sequence ids); one of them travels to the decode,
+    which then stops by itself, the front door applies the others."""
     stop_strs: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -71,7 +73,11 @@ def plan_chat(req: ChatCompletionRequest, lim: Limits, text: TextModel | None) -
                               "response_format": (req.response_format, None,
                                                   {"type": "text"})})
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = _check_prompt(text.chat_prompt(messages), lim, "messages")
+    try:
+        ids = text.chat_prompt(messages)
+    except ValueError as exc:  # no template, or the template refused the messages
+        raise ApiError(400, str(exc), param="messages") from None
+    prompt = _check_prompt(ids, lim, "messages")
     n = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if n is None:
         n = min(lim.max_new_tokens, lim.max_row - len(prompt))
@@ -92,11 +98,14 @@ def _plan(req: _Sampling, prompt: list[int], max_tokens: int, lim: Limits,
                             f"the prompt has {len(prompt)} and {param}={max_tokens} asks for "
                             f"{len(prompt) + max_tokens}: lower {param}", param=param)
     stop_ids = _stop_ids(req.stop_token_ids, lim)
+    if text is not None and not req.ignore_eos:
+        stop_ids |= frozenset(t for t in text.eos_token_ids if 0 <= t < lim.vocab_size)
     stop_strs = _stop_strs(req.stop, lim, text)
     temperature = 1.0 if req.temperature is None else req.temperature
     params = {"max_new_tokens": max_tokens, "temperature": temperature,
               "seed": req.seed if req.seed is not None else 0,
-              "stop_token": req.stop_token_ids[0] if req.stop_token_ids else -1,
+              "stop_token": req.stop_token_ids[0] if req.stop_token_ids else min(
+                  stop_ids, default=-1),
               "top_k": req.top_k if req.top_k is not None else -1,
               "top_p": req.top_p if req.top_p is not None else 1.0}
     opts = req.stream_options
