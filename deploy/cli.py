@@ -196,17 +196,8 @@ def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:
                    help="seconds between a conversation's turns (default 1.0)")
 
 
-def _add_run(sub) -> None:
-    p = sub.add_parser(
-        "run", help="launch router + workers, serve a synthetic workload, verify free logs",
-        description="Start the router and the workers as separate processes (colocated: "
-                    "one process per worker doing prefill and decode), wait until all are "
-                    "ready, send a seeded workload with Poisson arrivals, print progress and "
-                    "a summary, write one JSON line per request, replay every free log "
-                    "(fails on any violation) and shut everything down. See "
-                    "docs/operations.md.",
-        epilog="exit status: 0 all requests served and logs clean; 1 a request failed or "
-               "a free log has a violation; 2 a process died or did not start (named).")
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """What ``run`` and ``serve`` launch on this machine."""
     p.add_argument("--prefill", type=int, default=1, metavar="N",
                    help="prefill workers (disagg; default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M",
@@ -220,11 +211,25 @@ def _add_run(sub) -> None:
     p.add_argument("--log-dir", metavar="DIR",
                    help="keep free logs (<worker>.freelog) and process logs (<name>.log) "
                         "here (default: a temporary directory, removed when all is clean)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run", help="launch router + workers, serve a synthetic workload, verify free logs",
+        description="Start the router and the workers as separate processes (colocated: "
+                    "one process per worker doing prefill and decode), wait until all are "
+                    "ready, send a seeded workload with Poisson arrivals, print progress and "
+                    "a summary, write one JSON line per request, replay every free log "
+                    "(fails on any violation) and shut everything down. See "
+                    "docs/operations.md.",
+        epilog="exit status: 0 all requests served and logs clean; 1 a request failed or "
+               "a free log has a violation; 2 a process died or did not start (named).")
+    _add_deployment_flags(p)
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="one JSON line per request: rid, output_ids, prompt_len, reason, "
                         "ttft_s, tpot_s")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stderr is a terminal)")
     p.add_argument("--router", metavar="ADDR",
@@ -275,18 +280,7 @@ def _add_serve(sub) -> None:
                     "the free logs. See docs/http.md.",
         epilog="exit status: 0 clean shutdown and clean free logs; 1 a free-log violation; "
                "2 a process died, did not start, or the port is taken.")
-    p.add_argument("--prefill", type=int, default=1, metavar="N",
-                   help="prefill workers (disagg; default 1)")
-    p.add_argument("--decode", type=int, default=1, metavar="M",
-                   help="decode workers (disagg) or colocated workers (default 1)")
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg",
-                   help="disagg (default) or colocated (one process does both)")
-    p.add_argument("--devices", default="cpu", metavar="LIST",
-                   help="comma-separated devices given to workers round-robin (default cpu)")
-    p.add_argument("--log-dir", metavar="DIR",
-                   help="keep free logs and process logs here (default: a temporary "
-                        "directory, removed after a clean shutdown)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    _add_deployment_flags(p)
     _add_http_flags(p)
     _add_config_flags(p)
     p.set_defaults(func=_run_serve)
