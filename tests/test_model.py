@@ -127,7 +127,7 @@ def test_draft_writes_only_draft_layers(model: Model) -> None:
 def test_gqa_shapes_and_paged_equals_dense(heads: int, kv_heads: int) -> None:
     cfg = F64.with_overrides(num_heads=heads, num_kv_heads=kv_heads, head_dim=16)
     m = Model(cfg)
-    q, k, v = m.qkv(0, m.embed(torch.tensor([1, 2, 3])), torch.arange(3))
+    q, k, v = m.qkv(0, m.embed(torch.tensor([1, 2, 3])), m.rope(torch.arange(3)))
     assert q.shape == (3, heads, 16) and k.shape == v.shape == (3, kv_heads, 16)
     runner = ModelRunner(m, make_cache(m, 4))
     tokens = prompt(11)

@@ -1,10 +1,15 @@
-"""The model: configs, the Llama-style decoder, the paged runner, sampling, the reference."""
+"""The model: configs, checkpoints, the Llama-style decoder, the paged runner, sampling,
+the reference."""
 
-from common.model.config import CONFIGS, ModelConfig, get_config
-from common.model.model import Model
+from common.model.checkpoint import checkpoint_tensors, write_checkpoint
+from common.model.config import ARCHITECTURES, CONFIGS, ModelConfig, get_config
+from common.model.hf_config import UnsupportedModel, load_config
+from common.model.model import Model, load_weights
 from common.model.reference import generate_greedy
 from common.model.runner import BatchItem, ModelRunner
 from common.model.sampling import sample
+from common.model.seeded import seeded_tensors
 
-__all__ = ["CONFIGS", "BatchItem", "Model", "ModelConfig", "ModelRunner", "generate_greedy",
-           "get_config", "sample"]
+__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Model", "ModelConfig", "ModelRunner",
+           "UnsupportedModel", "checkpoint_tensors", "generate_greedy", "get_config",
+           "load_config", "load_weights", "sample", "seeded_tensors", "write_checkpoint"]

@@ -1,4 +1,5 @@
-"""Model configurations: the shape of a Llama-style decoder and its seeded weights."""
+"""Model configurations: the shape of a Llama-style decoder, its options, where its weights
+come from (a checkpoint directory or a seed) and the built-in configs."""
 
 from __future__ import annotations
 
@@ -10,14 +11,20 @@ from common.kv import KvLayout
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64}
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+"""Hugging Face architectures pdkv serves (all Llama-style decoders)."""
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+"""RoPE variants, named as in a Hugging Face config's ``rope_type``."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape, numerics and seed of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
+    """Shape, options and weights of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
 
-    Weights are never downloaded: they are drawn from ``seed`` (see ``common.model.model``), so
-    two processes with equal configs hold bit-identical weights.
+    Weights come from ``path`` (a local checkpoint in the Hugging Face layout, see
+    ``common.model.hf_config.load_config``) or, when ``path`` is empty, are drawn from
+    ``seed`` (built-in models), so two processes with equal configs hold identical weights.
+    Weights are never downloaded.
     """
 
     name: str = "tiny"
@@ -49,6 +56,31 @@ class ModelConfig:
     num_draft_layers: int = 1
     """Blocks of the self-speculative draft model: the first num_draft_layers blocks of the
     target plus its final norm and lm_head; 0 means no draft. In [0, num_layers)."""
+    architecture: str = "LlamaForCausalLM"
+    """The Hugging Face architecture (one of ``ARCHITECTURES``); built-ins are Llamas."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``)."""
+    o_bias: bool = False
+    """The output projection carries a bias (Llama with ``attention_bias``)."""
+    tie_word_embeddings: bool = False
+    """lm_head is the embedding matrix (no separate ``lm_head.weight``)."""
+    sliding_window: int = 0
+    """Each query attends to at most this many keys, itself included (Mistral); 0 = all."""
+    rope_type: str = "default"
+    """RoPE variant (one of ``ROPE_TYPES``): default, linear (positions / factor),
+    dynamic (NTK base stretched once a sequence passes rope_original_max_position),
+    llama3 (Llama 3.1 wavelength-dependent scaling)."""
+    rope_factor: float = 1.0
+    """Scaling factor of linear, dynamic and llama3 RoPE."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 RoPE: wavelengths past original / low_freq_factor are divided by factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 RoPE: wavelengths below original / high_freq_factor are kept."""
+    rope_original_max_position: int = 0
+    """llama3: the pretraining context; dynamic: the context past which the base grows.
+    0 for the other types."""
+    path: str = ""
+    """Checkpoint directory the weights load from; empty: drawn from ``seed``."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -68,6 +100,30 @@ class ModelConfig:
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ValueError(f"ModelConfig.rope_theta={self.rope_theta} and "
                              f"rms_eps={self.rms_eps} must be > 0")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture={self.architecture!r}; allowed: "
+                             f"{list(ARCHITECTURES)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"ModelConfig.rope_type={self.rope_type!r}; allowed: "
+                             f"{list(ROPE_TYPES)}")
+        if self.rope_type != "default" and not self.rope_factor >= 1.0:
+            raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be >= 1 for "
+                             f"rope_type={self.rope_type!r}")
+        if self.rope_type in ("dynamic", "llama3") and self.rope_original_max_position < 1:
+            raise ValueError(f"ModelConfig.rope_original_max_position="
+                             f"{self.rope_original_max_position} must be >= 1 for "
+                             f"rope_type={self.rope_type!r}")
+        if self.rope_type == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"ModelConfig: need 0 < rope_low_freq_factor="
+                             f"{self.rope_low_freq_factor} < rope_high_freq_factor="
+                             f"{self.rope_high_freq_factor}")
+        if self.sliding_window < 0:
+            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be >= 0 "
+                             "(0 = full attention)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -78,6 +134,15 @@ class ModelConfig:
         return KvLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim, dtype=self.dtype,
                         num_draft_layers=self.num_draft_layers if with_draft else 0)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Elements of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim
 
     def to_dict(self) -> dict:
         """Plain fields (msgpack/JSON-safe); ``ModelConfig(**d)`` rebuilds and validates."""

@@ -82,6 +82,7 @@ class _Plan:
     write_rows: torch.Tensor  # [num_tokens] flat-pool row of each new token's K at layer 0
     groups: list[_Group]
     lengths: list[int]
+    ends: list[int]
 
 
 class ModelRunner:
@@ -131,9 +132,10 @@ class ModelRunner:
             raise ValueError("draft=True but the cache has no draft layers")
         first_layer = model.config.num_layers if draft else 0
         plan = self._plan(batch)
+        rope = model.rope(plan.positions, plan.ends, plan.lengths)
         h = model.embed(plan.token_ids)  # [num_tokens, hidden]
         for b in range(num_blocks):
-            q, k, v = model.qkv(b, h, plan.positions)
+            q, k, v = model.qkv(b, h, rope)
             k_row = (first_layer + b) * 2 * self.page_size  # V rows follow at + page_size
             self.flat[plan.write_rows + k_row] = k.reshape(k.shape[0], -1)
             self.flat[plan.write_rows + k_row + self.page_size] = v.reshape(v.shape[0], -1)
@@ -187,11 +189,12 @@ class ModelRunner:
         members = ([packed] if len(packed) else []) + [
             np.array([i]) for i in np.flatnonzero(lengths > PACK_MAX_QUERY)]
         groups = [_build_group(starts[m], lengths[m], firsts[m], page_off[m], page_base, ps,
-                               cfg_group, self._to_device) for m in members]
+                               cfg_group, cfg.sliding_window, self._to_device)
+                  for m in members]
         return _Plan(token_ids=self._to_device(ids),
                      positions=self._to_device(torch.from_numpy(positions)),
                      write_rows=self._to_device(torch.from_numpy(write_rows)), groups=groups,
-                     lengths=lengths.tolist())
+                     lengths=lengths.tolist(), ends=ends.tolist())
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.model.device.type == "cpu" else t.to(self.model.device)
@@ -232,20 +235,26 @@ def _validate(batch: list[BatchItem], cfg: ModelConfig) -> None:
 
 def _build_group(starts: np.ndarray, lengths: np.ndarray, firsts: np.ndarray,
                  page_off: np.ndarray, page_base: np.ndarray, page_size: int,
-                 group_size: int, to_device) -> _Group:
+                 group_size: int, window: int, to_device) -> _Group:
     """One attention call over the items given by their starts, lengths, first token
     index in the batch and page-table offset into ``page_base`` (flat-pool row of each
-    page's K at layer 0), all at once in numpy."""
+    page's K at layer 0), all at once in numpy.
+
+    With a sliding ``window`` only keys [start - window + 1, end) are gathered: a query
+    at p sees keys (p - window, p]."""
     ends = starts + lengths
-    num_b, num_q, num_k = len(starts), int(lengths.max()), int(ends.max())
+    lo = np.maximum(starts - window + 1, 0) if window else np.zeros_like(starts)
+    num_b, num_q, num_k = len(starts), int(lengths.max()), int((ends - lo).max())
     # Padding repeats the item's last token and last slot: real data, masked out.
     j = np.minimum(np.arange(num_q), lengths[:, None] - 1)  # [B, num_q]
     q_index, q_pos = firsts[:, None] + j, starts[:, None] + j
-    pos = np.minimum(np.arange(num_k), ends[:, None] - 1)  # [B, num_k]
+    pos = lo[:, None] + np.minimum(np.arange(num_k), (ends - lo)[:, None] - 1)  # [B, num_k]
     key_rows = page_base[page_off[:, None] + pos // page_size] + pos % page_size
     valid_src = np.flatnonzero(np.arange(num_q) < lengths[:, None])
-    k_pos = np.arange(num_k)
+    k_pos = lo[:, None, None] + np.arange(num_k)  # [B, 1, nk], unclipped
     mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ends[:, None, None])  # [B, nq, nk]
+    if window:
+        mask &= k_pos > q_pos[:, :, None] - window
     # Query rows are ordered (group member, query) to match _group_attention's reshape.
     mask = np.repeat(mask[:, None], group_size, axis=1).reshape(num_b, 1, -1, num_k)
     return _Group(query_index=to_device(torch.from_numpy(q_index)),
