@@ -9,7 +9,10 @@ from common.model.reference import generate_greedy
 from common.model.runner import BatchItem, ModelRunner
 from common.model.sampling import sample
 from common.model.seeded import seeded_tensors
+from common.model.text import Detokenizer, StopStrings
+from common.model.tokenizer import Tokenizer
 
-__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Model", "ModelConfig", "ModelRunner",
-           "UnsupportedModel", "checkpoint_tensors", "generate_greedy", "get_config",
-           "load_config", "load_weights", "sample", "seeded_tensors", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
+           "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
+           "generate_greedy", "get_config", "load_config", "load_weights", "sample",
+           "seeded_tensors", "write_checkpoint"]
