@@ -8,8 +8,10 @@ The config crosses process boundaries as a plain dict (``to_dict``), never pickl
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
-from common.model import CONFIGS, ModelConfig, get_config
+from common.kv import KvLayout
+from common.model import CONFIGS, ModelConfig, UnsupportedModel, get_config, load_config
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
@@ -20,10 +22,24 @@ class ServeConfig:
     """How a pdkv deployment serves: model, pool sizes, batching, deadlines."""
 
     model: str = "tiny"
-    """Built-in model config name (see ``common.model.config.CONFIGS``)."""
+    """Built-in model config name (see ``common.model.config.CONFIGS``); ignored when
+    ``model_path`` is set."""
+    model_path: str = ""
+    """Local checkpoint directory in the Hugging Face layout (config.json, safetensors,
+    tokenizer files; docs/models.md); every worker loads it from its own disk (a worker's
+    ``--model DIR`` may name its local copy). Never downloaded."""
+    draft_model_path: str = ""
+    """Checkpoint directory of a separate draft model for speculative decoding (same
+    tokenizer as the target; its KV is computed by prefill and travels with the
+    target's). Empty: no draft checkpoint."""
+    spec_ngram: int = 0
+    """Speculative decoding by n-gram prompt lookup: propose the ``spec_k`` tokens that
+    followed the longest earlier match (up to this many tokens) of the sequence's tail;
+    no draft weights. 0: off."""
     dtype: str = ""
-    """Override of the model's dtype (float16, bfloat16, float32, float64); empty keeps it.
-    Tests use float64 so that disaggregated and colocated outputs compare exactly."""
+    """Override of the model's dtype (float16, bfloat16, float32, float64); empty keeps it
+    (a checkpoint's own dtype). Tests use float64 so that disaggregated and colocated
+    outputs compare exactly."""
     page_size: int = 16
     """Slots per KV page, equal on prefill and decode (checked by the handshake)."""
     prefill_pages: int = 2048
@@ -44,8 +60,11 @@ class ServeConfig:
     (see ``with_draft``)."""
     spec_k: int = 3
     """Decode: draft tokens proposed per sequence per step (speculative decoding, greedy
-    requests only); 0 turns speculation off. 3 is where the tiny model's decode tokens/s
-    peaked (acceptance about 0.86); larger k wastes verify work on rejected tails."""
+    requests only); 0 turns speculation off. It proposes with ``draft_model_path``, else
+    n-gram lookup (``spec_ngram``), else a built-in model's own first layers; a
+    checkpoint with neither a draft nor n-gram lookup does not speculate. 3 is where the
+    tiny model's decode tokens/s peaked (acceptance about 0.86); larger k wastes verify
+    work on rejected tails."""
     offload: bool = True
     """Decode offloads committed full pages to a host tier while decoding, and prefill
     and decode reuse cached prompt prefixes from their host tiers (docs/host_tier.md)."""
@@ -82,10 +101,12 @@ class ServeConfig:
     land while copies are in flight. 0 in production."""
 
     def __post_init__(self) -> None:
-        if self.model not in CONFIGS:
-            raise ValueError(f"model={self.model!r}; allowed: {sorted(CONFIGS)}")
+        if self.model not in CONFIGS and not self.model_path:
+            raise ValueError(f"model={self.model!r}; allowed: {sorted(CONFIGS)}, or a "
+                             "checkpoint directory in model_path")
         if self.dtype and self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: '' (model's own) or {_DTYPES}")
+        self._check_models()
         if self.transport not in _TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; allowed: {_TRANSPORTS}")
         for name in ("page_size", "max_rows", "chunk_size", "max_running",
@@ -104,9 +125,6 @@ class ServeConfig:
                              f"lease_s={self.lease_s}")
         if not 0 <= self.spec_k <= 16:
             raise ValueError(f"spec_k={self.spec_k}; allowed: 0 (off) to 16")
-        if self.spec_k and not get_config(self.model).num_draft_layers:
-            raise ValueError(f"spec_k={self.spec_k} but model {self.model!r} has no draft "
-                             "layers; use spec_k=0")
         if self.offload and self.host_pages < 2:
             raise ValueError(f"host_pages={self.host_pages} must be >= 2 (page 0 is reserved)")
         if self.overcommit and not self.offload:
@@ -118,14 +136,64 @@ class ServeConfig:
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
 
+    def _check_models(self) -> None:
+        """Refuse a checkpoint pdkv cannot serve now, before any process starts."""
+        if not 0 <= self.spec_ngram <= 16:
+            raise ValueError(f"spec_ngram={self.spec_ngram}; allowed: 0 (off) to 16")
+        if self.spec_ngram and self.draft_model_path:
+            raise ValueError("spec_ngram and draft_model_path both set: choose one kind of "
+                             "speculation")
+        target = self.model_config()
+        if self.draft_model_path:
+            check_draft(target, self.draft_model_config(), self.model_path,
+                        self.draft_model_path)
+        if self.spec_k and not self.spec_kind and not target.path:
+            raise ValueError(f"spec_k={self.spec_k} but model {self.model!r} has no draft "
+                             "layers; use spec_k=0")
+
+    @property
+    def spec_kind(self) -> str:
+        """How decode speculates: ``draft`` (draft checkpoint), ``ngram``, ``layers`` (a
+        built-in's first layers) or empty (no speculation)."""
+        if not self.spec_k:
+            return ""
+        if self.draft_model_path:
+            return "draft"
+        if self.spec_ngram:
+            return "ngram"
+        return "layers" if self.model_config().num_draft_layers else ""
+
     @property
     def with_draft(self) -> bool:
         """Pools hold the draft's layers and prefill computes its KV."""
-        return self.draft_kv or self.spec_k > 0
+        if self.draft_kv:
+            return bool(self.draft_model_path or self.model_config().num_draft_layers)
+        return self.spec_kind in ("draft", "layers")
 
     def model_config(self) -> ModelConfig:
-        """The model's config with ``dtype`` applied."""
+        """The target model's config with ``dtype`` applied (from ``model_path``'s
+        config.json, or the built-in ``model``)."""
+        if self.model_path:
+            return _checkpoint_config("model_path", self.model_path, self.dtype)
         return get_config(self.model, **({"dtype": self.dtype} if self.dtype else {}))
+
+    def draft_model_config(self) -> ModelConfig | None:
+        """The draft checkpoint's config in the target's dtype; None without one."""
+        if not self.draft_model_path:
+            return None
+        dtype = self.model_config().dtype
+        return _checkpoint_config("draft_model_path", self.draft_model_path, dtype)
+
+    def kv_layout(self) -> KvLayout:
+        """What a page of every pool holds: the target's layers, then the draft's
+        (``with_draft``). A draft checkpoint's layers are stored in rows of the
+        target's width (its K/V fill the first columns)."""
+        t = self.model_config()
+        draft = self.draft_model_config()
+        num_draft = (draft.num_layers if draft else t.num_draft_layers) if self.with_draft \
+            else 0
+        return KvLayout(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads,
+                        head_dim=t.head_dim, dtype=t.dtype, num_draft_layers=num_draft)
 
     def pool_tokens(self, role: str) -> int:
         """Tokens one row of a ``role`` ('prefill' or 'decode') pool can hold at most."""
@@ -148,6 +216,48 @@ class ServeConfig:
     def with_overrides(self, **changes: object) -> ServeConfig:
         """A validated copy with some fields changed; ``None`` values are ignored."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _checkpoint_config(field: str, path: str, dtype: str) -> ModelConfig:
+    try:
+        return load_config(path, dtype)
+    except (FileNotFoundError, UnsupportedModel) as exc:
+        raise ValueError(f"{field}={path!r}: {exc}") from None
+
+
+def check_draft(target: ModelConfig, draft: ModelConfig, target_path: str, draft_path: str
+                ) -> None:
+    """Refuse a draft checkpoint that cannot propose for ``target``, naming the field."""
+    if draft.kv_size > target.kv_size:
+        raise ValueError(f"draft_model_path={draft_path!r}: its KV per token and layer "
+                         f"(num_key_value_heads * head_dim = {draft.kv_size}) exceeds the "
+                         f"target's ({target.kv_size}); pdkv stores draft layers in the "
+                         "target's pages")
+    if draft.vocab_size > target.vocab_size:
+        raise ValueError(f"draft_model_path={draft_path!r}: vocab_size={draft.vocab_size} "
+                         f"exceeds the target's {target.vocab_size}")
+    if target_path:
+        a, b = Path(target_path, "tokenizer.json"), Path(draft_path, "tokenizer.json")
+        if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():
+            raise ValueError(f"draft_model_path={draft_path!r}: its tokenizer.json differs "
+                             "from the target's; a draft must share the target's tokenizer")
+
+
+def resolve_model(value: str | None) -> dict:
+    """ServeConfig fields of a ``--model`` value: a built-in name or a checkpoint directory.
+
+    Raises:
+        ValueError: neither (pdkv never downloads a model by name).
+    """
+    if value is None:
+        return {}
+    if value in CONFIGS:
+        return {"model": value, "model_path": ""}
+    if Path(value).expanduser().is_dir():
+        return {"model_path": str(Path(value).expanduser().resolve())}
+    raise ValueError(f"--model {value!r} is neither a directory nor a built-in model "
+                     f"({', '.join(sorted(CONFIGS))}); pdkv never downloads: give a local "
+                     "checkpoint directory in the Hugging Face layout")
 
 
 DEFAULT = ServeConfig()

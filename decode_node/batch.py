@@ -40,6 +40,8 @@ class DecodeSeq:
     prompt_len: int
     output: list[int] = field(default_factory=list)
     """Generated tokens, the first (from prefill) included."""
+    prompt: list[int] = field(default_factory=list)
+    """The prompt's token ids (n-gram speculation looks up in them); may be empty."""
 
     @property
     def is_done(self) -> bool:

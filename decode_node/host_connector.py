@@ -235,7 +235,7 @@ class HostConnector:
         loaded = self._load_committed(kv, tokens, timeout)
         self.off.prefix.unref(r.ref_key)
         self._recompute(runner, kv, tokens, loaded)
-        seq = DecodeSeq(r.rid, kv, r.params, len(r.prompt), list(r.output))
+        seq = DecodeSeq(r.rid, kv, r.params, len(r.prompt), list(r.output), r.prompt)
         self.track(seq, r.prompt)
         return seq
 

@@ -127,7 +127,8 @@ class DecodeSide:
             came first): the caller finishes it. None when it joined the batch.
         """
         item.state = ReqState.DECODING
-        seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token])
+        seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token],
+                        item.prompt)
         self.send(Tokens(item.rid, [first_token], first=True, t_kv_wall=t_kv_wall))
         if not self.batch.add(seq):
             return seq

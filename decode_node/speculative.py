@@ -24,7 +24,10 @@ with ``decode_node.batch.finish_ranges`` (committed part and the lookahead tail 
 ``free_kv_row`` call). This module frees nothing.
 
 Draft KV: a sequence joins with warm draft KV for its prompt (the prefill computes it and
-it travels with the target's), so draft positions ``[0, prompt_len)`` are valid.
+it travels with the target's), so draft positions ``[0, prompt_len)`` are valid. The draft
+is the model's own first layers (built-ins) or a draft checkpoint (the runner's
+``draft``); with n-gram lookup (``NgramProposer``) step 1 is a lookup in the sequence's
+own tokens instead, and there is no draft KV at all.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from common.config import ServeConfig
 from common.kv import KvCache, KvRecord, OutOfPages
 from common.model import BatchItem, ModelRunner
 from decode_node.batch import DecodeSeq, StepFn, greedy_step
+from decode_node.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +90,17 @@ class SpeculativeStep:
     Args:
         k: draft tokens per sequence per step (>= 1). Near the end of a request fewer are
             proposed, so a step never computes tokens past ``max_new_tokens``.
+        ngram: propose by n-gram lookup in each sequence's own tokens (needs
+            ``DecodeSeq.prompt``) instead of running a draft model.
 
-    Greedy only (``temperature == 0``); the model's config must have draft layers and the
-    cache must hold them. Not thread-safe (one per decode batch).
+    Greedy only (``temperature == 0``); with a draft model the cache must hold its
+    layers. Not thread-safe (one per decode batch).
     """
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
         if k < 1:
             raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use greedy_step for 0)")
-        self.k = k
+        self.k, self.ngram = k, ngram
         self.stats = SpecStats()
         self._drafts: dict[str, _Draft] = {}
 
@@ -140,6 +146,8 @@ class SpeculativeStep:
     def _propose(self, runner: ModelRunner, seqs: list[DecodeSeq], ks: list[int]
                  ) -> list[list[int]]:
         """Draft proposals, k_s per sequence; pass j batches the sequences with k_s > j."""
+        if self.ngram is not None:
+            return [self.ngram.propose(s.prompt + s.output, k_s) for s, k_s in zip(seqs, ks)]
         proposals: list[list[int]] = [[] for _ in seqs]
         for j in range(max(ks, default=0)):
             idx = [i for i, k_s in enumerate(ks) if k_s > j]
@@ -167,7 +175,8 @@ class SpeculativeStep:
         # accepted proposals' (the last emitted token gets its KV next step).
         cache.commit(s.kv, len(tokens))
         p = s.next_position
-        if props:  # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
+        if props and self.ngram is None:
+            # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
             valid = p + min(a, len(props) - 1) + 1  # committed tokens
             self._draft(s).valid_len = min(valid, s.kv.committed_len)
         st = self.stats
@@ -212,13 +221,14 @@ class MixedStep:
 
     Args:
         k: draft tokens per greedy sequence per step (>= 1).
+        ngram: n-gram lookup instead of a draft model (see ``SpeculativeStep``).
 
     Sequences with ``temperature > 0`` run ``greedy_step`` (which samples by their params)
     in a second forward pass, so one sampled request never fails a speculative batch.
     """
 
-    def __init__(self, k: int) -> None:
-        self.spec = SpeculativeStep(k)
+    def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
+        self.spec = SpeculativeStep(k, ngram)
         self.stats = self.spec.stats
 
     def forget(self, rid: str) -> None:
@@ -236,8 +246,12 @@ class MixedStep:
 
 
 def make_step(cfg: ServeConfig) -> StepFn:
-    """``MixedStep(spec_k)`` when speculation is on, else ``greedy_step``."""
-    return MixedStep(cfg.spec_k) if cfg.spec_k else greedy_step
+    """The step of ``cfg.spec_kind``: ``MixedStep(spec_k)`` with a draft model (a draft
+    checkpoint or the model's own layers) or n-gram lookup; ``greedy_step`` without."""
+    kind = cfg.spec_kind
+    if not kind:
+        return greedy_step
+    return MixedStep(cfg.spec_k, NgramProposer(cfg.spec_ngram) if kind == "ngram" else None)
 
 
 def spec_stats(step: StepFn) -> dict:

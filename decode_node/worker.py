@@ -57,7 +57,8 @@ class DecodeWorker(WorkerBase):
         self.retractor = Retractor(self.side.conn, self.side.batch, cfg.spec_k) \
             if cfg.overcommit else None
         self.rx = KvReceiver(cache, TransportConfig(
-            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
+            node=name, model=cfg.model, model_digest=self.runner.fingerprint,
+            heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.groups: dict[str, int] = {}
         self.report_ready()

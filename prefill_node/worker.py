@@ -80,7 +80,8 @@ class PrefillWorker(WorkerBase):
         self.off = make_offloader(cfg, cache, device, log_dir, name)
         self.reuse = PrefixReuse(self.off, host_salt(cfg, cache)) if self.off else None
         self.sender = KvSender(cache, kv_bind, TransportConfig(
-            node=name, model=cfg.model, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
+            node=name, model=cfg.model, model_digest=self.runner.fingerprint,
+            heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.reqs: OrderedDict[str, PrefillReq] = OrderedDict()
         self.early_ready: set[str] = set()

@@ -36,6 +36,10 @@ KINDS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", {"num_key_value_heads": 1}),
     "mistral": ("mistral", {"sliding_window": 8}),
     "sharded": ("llama", {"num_hidden_layers": 4}),
+    # a draft for "llama": one layer, narrower KV rows (1 head of 16 vs 2 of 16)
+    "llama-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 32,
+                              "intermediate_size": 64, "num_attention_heads": 2,
+                              "num_key_value_heads": 1}),
 }
 """Checkpoint kinds: (model type, config overrides)."""
 
@@ -74,9 +78,12 @@ def hf_model(kind: str, dtype: str = "float64"):
 @cache
 def hf_checkpoint(kind: str, dtype: str = "float64") -> Path:
     """A checkpoint directory of ``kind`` written by ``save_pretrained``."""
+    from common.model.builtin_text import write_builtin_tokenizer
+
     path = _ROOT / f"{kind}-{dtype}"
     shard = "20KB" if kind == "sharded" else "1GB"
     hf_model(kind, dtype).save_pretrained(path, max_shard_size=shard)
+    write_builtin_tokenizer(path, _BASE["vocab_size"])  # the same tokenizer in every kind
     return path
 
 

@@ -13,6 +13,10 @@ class TransportConfig:
     """Name of this process, sent in the handshake and used in log lines."""
     model: str = ""
     """Model name; both ends must agree (empty on both is fine for tests)."""
+    model_digest: str = ""
+    """Fingerprint of the weights (``ModelRunner.fingerprint``: config, tensor names,
+    shapes and sampled bytes, draft included); both ends must agree, so workers that
+    loaded different checkpoints refuse each other (empty on both is fine for tests)."""
     tp_rank: int = 0
     """This endpoint's tensor-parallel rank."""
     tp_size: int = 1

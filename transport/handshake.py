@@ -1,4 +1,5 @@
-"""The handshake: both ends compare protocol version, model, KV layout and TP ranks.
+"""The handshake: both ends compare protocol version, model (name and weights
+fingerprint), KV layout and TP ranks.
 
 The connecting (decode) side sends its ``Hello``; the bound (prefill) side checks it and
 answers with its own ``Hello`` either way, so both sides run the same ``check`` and both
@@ -14,8 +15,8 @@ from .messages import PROTOCOL_VERSION, Hello
 from .shm import host_id
 
 # fields that must be equal on both ends of a transfer
-_MUST_MATCH = ("version", "model", "num_layers", "num_draft_layers", "total_kv_heads",
-               "head_dim", "dtype", "page_size")
+_MUST_MATCH = ("version", "model", "model_digest", "num_layers", "num_draft_layers",
+               "total_kv_heads", "head_dim", "dtype", "page_size")
 
 
 class HandshakeError(RuntimeError):
@@ -34,7 +35,8 @@ def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: 
                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                  lease_ms=int(config.lease_s * 1000), host_id=host_id(),
                  shm_pool=shm_pool if config.shared_memory else "",
-                 shm_pages=shm_pages if config.shared_memory and shm_pool else 0)
+                 shm_pages=shm_pages if config.shared_memory and shm_pool else 0,
+                 model_digest=config.model_digest)
 
 
 def check(mine: Hello, theirs: Hello) -> None:

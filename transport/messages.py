@@ -75,6 +75,7 @@ class Hello:
     host_id: str = ""    # "<hostname>/<boot_id>": equal ids prove both ends share a kernel
     shm_pool: str = ""   # decode: its pool's segment, offered; prefill: the one it mapped
     shm_pages: int = 0   # decode: pages of that pool (its shape follows from the layout)
+    model_digest: str = ""  # fingerprint of the weights (target and draft); must match
 
 
 @dataclass(frozen=True)

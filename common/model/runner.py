@@ -18,12 +18,16 @@ Exactness: every item's tokens see exactly the keys a one-at-a-time run sees; ba
 changes only the order of floating-point sums, so at float64 greedy tokens match exactly.
 
 Pool layout (``cache.data()``): ``[num_pages, total_layers, 2, page_size, kv_heads,
-head_dim]``; target block b uses layer b, draft block b uses layer num_layers + b.
+head_dim]``; target block b uses layer b, draft block b uses layer num_layers + b. The
+draft is the target's own first layers (built-in models) or a separate draft checkpoint,
+whose K/V rows may be narrower than the target's: they fill the first
+``draft.num_kv_heads * draft.head_dim`` columns of each row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -89,17 +93,26 @@ class ModelRunner:
     """Runs ``model`` (target or draft) over rows of ``cache``; not thread-safe.
 
     Args:
-        model: the ``Model``; its device must be the cache's device.
-        cache: a ``KvCache`` whose layout is ``model.config.kv_layout(with_draft)`` for
-            either value of ``with_draft`` (without draft layers ``draft=True`` fails).
+        model: the target ``Model``; its device must be the cache's device.
+        cache: a ``KvCache`` whose layout is the target's, with or without the draft's
+            layers after it (without them ``draft=True`` fails).
+        draft: a separate draft model (a draft checkpoint); None: the draft is the
+            target's first ``num_draft_layers`` blocks.
     """
 
-    def __init__(self, model: Model, cache: KvCache) -> None:
+    def __init__(self, model: Model, cache: KvCache, draft: Model | None = None) -> None:
         cfg, layout = model.config, cache.layout
-        if layout not in (cfg.kv_layout(True), cfg.kv_layout(False)):
+        with_draft = cfg.kv_layout(True) if draft is None else replace(
+            cfg.kv_layout(False), num_draft_layers=draft.config.num_layers)
+        if layout not in (with_draft, cfg.kv_layout(False)):
             raise ValueError(f"KV layout {layout} does not fit model {cfg.name!r}: expected "
-                             f"{cfg.kv_layout(True)} (draft layers optional)")
-        self.model, self.cache = model, cache
+                             f"{with_draft} (draft layers optional)")
+        if draft is not None and (draft.config.kv_size > cfg.kv_size
+                                  or draft.device != model.device):
+            raise ValueError(f"draft {draft.config.name!r} does not fit: KV width "
+                             f"{draft.config.kv_size} > {cfg.kv_size} or device "
+                             f"{draft.device} != {model.device}")
+        self.model, self.cache, self.draft = model, cache, draft
         self.page_size = cache.page_size
         self.data = cache.data()  # [num_pages, total_layers, 2, page_size, kv_heads, head_dim]
         if self.data.device != model.device:
@@ -110,12 +123,20 @@ class ModelRunner:
         self.flat = self.data.view(-1, layout.num_kv_heads * layout.head_dim)
         self.page_rows = layout.total_layers * 2 * self.page_size
 
+    @property
+    def fingerprint(self) -> str:
+        """The target's weights fingerprint, combined with a draft checkpoint's."""
+        if self.draft is None:
+            return self.model.fingerprint
+        both = f"{self.model.fingerprint}+{self.draft.fingerprint}".encode()
+        return hashlib.sha256(both).hexdigest()[:32]
+
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
         """Runs the batch; returns logits of each item's last token, [len(batch), vocab]."""
         h, plan = self._hidden(batch, draft)
         last = torch.from_numpy(np.cumsum(plan.lengths) - 1)
-        return self.model.logits(h[self._to_device(last)])
+        return self._pick(draft).logits(h[self._to_device(last)])
 
     @torch.inference_mode()
     def forward_all(self, batch: list[BatchItem], *, draft: bool = False
@@ -123,33 +144,45 @@ class ModelRunner:
         """Runs the batch; returns logits of every new token, one [n_i, vocab] per item
         (speculative verification needs all k + 1)."""
         h, plan = self._hidden(batch, draft)
-        return list(self.model.logits(h).split(plan.lengths))
+        return list(self._pick(draft).logits(h).split(plan.lengths))
+
+    def _pick(self, draft: bool) -> Model:
+        return self.draft if draft and self.draft is not None else self.model
 
     def _hidden(self, batch: list[BatchItem], draft: bool) -> tuple[torch.Tensor, _Plan]:
-        model = self.model
-        num_blocks = model.num_blocks(draft)
-        if draft and self.data.shape[1] == model.config.num_layers:
+        model = self._pick(draft)
+        num_blocks = model.num_blocks(draft and self.draft is None)
+        if draft and self.data.shape[1] == self.model.config.num_layers:
             raise ValueError("draft=True but the cache has no draft layers")
-        first_layer = model.config.num_layers if draft else 0
-        plan = self._plan(batch)
+        first_layer = self.model.config.num_layers if draft else 0
+        width = model.config.kv_size  # a narrower draft fills the first columns of a row
+        cols = slice(None) if width == self.flat.shape[1] else slice(0, width)
+        plan = self._plan(batch, model.config)
         rope = model.rope(plan.positions, plan.ends, plan.lengths)
         h = model.embed(plan.token_ids)  # [num_tokens, hidden]
         for b in range(num_blocks):
             q, k, v = model.qkv(b, h, rope)
             k_row = (first_layer + b) * 2 * self.page_size  # V rows follow at + page_size
-            self.flat[plan.write_rows + k_row] = k.reshape(k.shape[0], -1)
-            self.flat[plan.write_rows + k_row + self.page_size] = v.reshape(v.shape[0], -1)
-            h = model.block_out(b, h, self._attend(q, k_row, plan))
+            self._write(plan.write_rows + k_row, k, cols)
+            self._write(plan.write_rows + k_row + self.page_size, v, cols)
+            h = model.block_out(b, h, self._attend(q, k_row, plan, cols))
         return h, plan
 
-    def _attend(self, q: torch.Tensor, k_row: int, plan: _Plan) -> torch.Tensor:
+    def _write(self, rows: torch.Tensor, x: torch.Tensor, cols: slice) -> None:
+        """x: [num_tokens, kv_heads, dim] into pool rows (all columns: the fast path)."""
+        if cols == slice(None):
+            self.flat[rows] = x.reshape(x.shape[0], -1)
+        else:
+            self.flat[rows, cols] = x.reshape(x.shape[0], -1)
+
+    def _attend(self, q: torch.Tensor, k_row: int, plan: _Plan, cols: slice) -> torch.Tensor:
         """q: [num_tokens, heads, dim] -> [num_tokens, heads * dim], group by group."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for g in plan.groups:
             rows = g.key_rows.reshape(-1) + k_row
             shape = (*g.key_rows.shape, -1)  # [B, num_keys, kv_heads * dim]
-            k = self.flat.index_select(0, rows).view(shape)
-            v = self.flat.index_select(0, rows + self.page_size).view(shape)
+            k = self.flat.index_select(0, rows)[:, cols].reshape(shape)
+            v = self.flat.index_select(0, rows + self.page_size)[:, cols].reshape(shape)
             o = _group_attention(q, k, v, g)  # [B, num_queries, heads * dim]
             if g.whole and len(plan.groups) == 1:  # every token once, in order (decode)
                 return o.reshape(out.shape)
@@ -157,13 +190,13 @@ class ModelRunner:
             out[g.valid_dest] = o.reshape(-1, o.shape[-1])[g.valid_src]
         return out
 
-    def _plan(self, batch: list[BatchItem]) -> _Plan:
-        """Index tensors of the batch, built with a few numpy ops over all items.
+    def _plan(self, batch: list[BatchItem], cfg: ModelConfig) -> _Plan:
+        """Index tensors of the batch for the model of ``cfg``, built with a few numpy ops
+        over all items.
 
         Key and write rows come from each row's page table (``cache.pages``, one entry per
         page) instead of its slot list (one per position), and no per-item tensors are made.
         """
-        cfg = self.model.config
         _validate(batch, cfg)
         ids = _token_ids(batch)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):

@@ -85,22 +85,24 @@ class WorkerBase(ABC):
 
     def make_cache(self, num_pages: int, shared_memory: bool = False
                    ) -> tuple[Model, KvCache, ModelRunner]:
-        """Model, pool (recording to ``<log_dir>/<name>.freelog``) and runner.
+        """Model (and draft checkpoint), pool (recording to ``<log_dir>/<name>.freelog``)
+        and runner.
 
         ``shared_memory`` puts a CPU pool in named shared memory (peers on this host copy
         into it directly); ignored for device pools."""
-        mcfg = self.config.model_config()
-        model = Model(mcfg, device=self.device)
+        cfg = self.config
+        model = Model(cfg.model_config(), device=self.device)
+        dcfg = cfg.draft_model_config() if cfg.with_draft else None
+        draft = Model(dcfg, device=self.device) if dcfg else None
         log = None
         if self.log_dir:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             log = str(Path(self.log_dir) / f"{self.name}.freelog")
-        cache = KvCache(num_pages, self.config.page_size, layout=mcfg.kv_layout(
-            with_draft=self.config.with_draft), device=self.device, log_path=log,
-            node=self.name, max_rows=self.config.max_rows,
-            shared_memory=shared_memory and torch.device(self.device).type == "cpu")
+        cache = KvCache(num_pages, cfg.page_size, layout=cfg.kv_layout(), device=self.device,
+                        log_path=log, node=self.name, max_rows=cfg.max_rows,
+                        shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
-        return model, cache, ModelRunner(model, cache)
+        return model, cache, ModelRunner(model, cache, draft)
 
     def report_ready(self, kv_addr: str = "") -> None:
         pool = self.cache.num_free_pages() * self.config.page_size if self.cache else 0
