@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -42,21 +43,28 @@ def _prompts(cfg, num: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _decode_once(model: Model, prompts: list[list[int]], gen: int, step: StepFn,
-                 page_size: int) -> tuple[float, list[list[int]]]:
-    """Prefill (untimed), then decode every prompt to ``gen`` tokens; (seconds, outputs)."""
+                 page_size: int, draft: Model | None = None) -> tuple[float, list[list[int]]]:
+    """Prefill (untimed), then decode every prompt to ``gen`` tokens; (seconds, outputs).
+
+    ``draft``: a separate draft model; without one the model's own draft layers (if any)."""
     total = sum(len(p) + gen + 8 for p in prompts)
-    cache = KvCache(total // page_size + len(prompts) + 2, page_size,
-                    layout=model.config.kv_layout(with_draft=True), device=model.device)
-    runner = ModelRunner(model, cache)
+    layout = model.config.kv_layout(with_draft=True)
+    if draft is not None:
+        layout = replace(model.config.kv_layout(False), num_draft_layers=draft.config.num_layers)
+    cache = KvCache(total // page_size + len(prompts) + 2, page_size, layout=layout,
+                    device=model.device)
+    runner = ModelRunner(model, cache, draft)
     batch = DecodeBatch(runner, step)
     seqs = []
     for i, p in enumerate(prompts):
         kv = cache.open_row(f"r{i}")
         cache.extend(kv, len(p))
         first = int(runner.forward([BatchItem(kv, p, 0)])[0].argmax())
-        runner.forward([BatchItem(kv, p, 0)], draft=True)
+        if layout.num_draft_layers:
+            runner.forward([BatchItem(kv, p, 0)], draft=True)
         cache.commit(kv, len(p))
-        seqs.append(DecodeSeq(f"r{i}", kv, SamplingParams(max_new_tokens=gen), len(p), [first]))
+        seqs.append(DecodeSeq(f"r{i}", kv, SamplingParams(max_new_tokens=gen), len(p), [first],
+                              p))
         batch.add(seqs[-1])
     _sync(model)
     t0 = time.perf_counter()

@@ -142,10 +142,14 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serving config (defaults from common/config.py)")
     g.add_argument("--config", metavar="FILE.json",
                    help="JSON object of ServeConfig fields; flags below override it")
-    g.add_argument("--model", help="built-in model: tiny (default), small, llama-1b-shape, "
-                                   "llama-8b-shape")
+    g.add_argument("--model", metavar="NAME|DIR",
+                   help="a local checkpoint directory in the Hugging Face layout (config.json, "
+                        "*.safetensors, tokenizer files; Llama, Qwen2, Mistral; never "
+                        "downloaded; docs/models.md) or a built-in model: tiny (default), "
+                        "small, llama-1b-shape, llama-8b-shape")
     g.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
-                   help="override the model's dtype (float64: exact comparisons on CPU)")
+                   help="override the model's dtype (default: the checkpoint's own; float64: "
+                        "exact comparisons on CPU)")
     g.add_argument("--page-size", type=int, help="slots per KV page (default 16)")
     g.add_argument("--prefill-pages", type=int, help="pages per prefill pool (default 2048)")
     g.add_argument("--decode-pages", type=int, help="pages per decode pool (default 4096)")
@@ -162,7 +166,15 @@ def _add_spec_host_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding and host tier (docs/host_tier.md)")
     g.add_argument("--spec-k", type=int, metavar="K",
                    help="draft tokens per step for greedy requests; 0 turns speculation off "
-                        "(default 3: the tiny model's best decode tokens/s)")
+                        "(default 3: the tiny model's best decode tokens/s). A checkpoint "
+                        "speculates only with --draft-model or --spec-ngram")
+    g.add_argument("--draft-model", metavar="DIR",
+                   help="draft checkpoint for speculative decoding (same tokenizer as "
+                        "--model; its KV is computed by prefill and sent with the target's)")
+    g.add_argument("--spec-ngram", type=int, metavar="N",
+                   help="speculate by n-gram prompt lookup: propose the tokens that followed "
+                        "the latest earlier match of the sequence's last N..1 tokens (no "
+                        "draft weights; default 0 = off)")
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload committed KV to a host tier and reuse cached prompt "
                         "prefixes on prefill and decode (default on)")

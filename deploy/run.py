@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import DEFAULT, ServeConfig
+from common.config import DEFAULT, ServeConfig, resolve_model
 from common.freelog import replay_file
 from deploy.driver import Result, drive
 from deploy.launcher import Cluster, WorkerDied
@@ -25,8 +25,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if getattr(args, "config", None):
         cfg = ServeConfig.from_dict({**DEFAULT.to_dict(),
                                      **json.loads(Path(args.config).read_text())})
+    draft = getattr(args, "draft_model", None)
     return cfg.with_overrides(
-        model=args.model, dtype=args.dtype, page_size=args.page_size,
+        **resolve_model(args.model), dtype=args.dtype, page_size=args.page_size,
+        draft_model_path=str(Path(draft).expanduser().resolve()) if draft else None,
+        spec_ngram=getattr(args, "spec_ngram", None),
         prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
         chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
         debug_integrity=args.debug_integrity, spec_k=args.spec_k, offload=args.offload,
@@ -83,7 +86,12 @@ def main(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     if args.router:
         return _attach(args, progress)
-    cfg, spec = config_from_args(args), workload_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:  # a bad flag or a checkpoint pdkv refuses: before any process
+        print(f"pdkv run: {exc}", file=sys.stderr)
+        return 2
+    spec = workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
                       threads=args.threads)
