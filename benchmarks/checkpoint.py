@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,9 +30,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.speculative import _decode_once, _median, _prompts
-from common.model import Model, get_config, load_config, seeded_tensors
-from common.model.builtin_text import write_builtin_tokenizer
-from common.model.checkpoint import write_checkpoint
+from common.model import (
+    Model,
+    get_config,
+    load_config,
+    seeded_tensors,
+    write_builtin_tokenizer,
+    write_checkpoint,
+)
 from decode_node.batch import greedy_step
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
@@ -54,13 +58,23 @@ def export(shape: str, dtype: str, path: Path, *, layers: int | None = None) -> 
     return path
 
 
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (VmRSS, VmHWM) in bytes. ``ru_maxrss`` would not do:
+    after exec it still holds the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def load_once(path: str, dtype: str) -> dict:
     """In this (fresh) process: seconds and peak RSS of loading ``path``."""
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to VmRSS
+    base = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     model = Model(load_config(path, dtype=dtype))
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     tensors = [model.embedding, model.final_norm, *([] if model.lm_head is model.embedding
                                                     else [model.lm_head])]
     tensors += [t for b in model.blocks for t in vars(b).values() if t is not None]

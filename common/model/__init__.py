@@ -1,6 +1,7 @@
 """The model: configs, checkpoints, the Llama-style decoder, the paged runner, sampling,
 the reference."""
 
+from common.model.builtin_text import write_builtin_tokenizer
 from common.model.checkpoint import checkpoint_tensors, write_checkpoint
 from common.model.config import ARCHITECTURES, CONFIGS, ModelConfig, get_config
 from common.model.hf_config import UnsupportedModel, load_config
@@ -15,4 +16,4 @@ from common.model.tokenizer import Tokenizer
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "generate_greedy", "get_config", "load_config", "load_weights", "sample",
-           "seeded_tensors", "write_checkpoint"]
+           "seeded_tensors", "write_builtin_tokenizer", "write_checkpoint"]

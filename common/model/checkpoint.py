@@ -12,10 +12,10 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.model.config import ModelConfig
@@ -52,16 +52,81 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     raise FileNotFoundError(f"{d} has neither {SINGLE} nor {INDEX}{hint}")
 
 
-def checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, one at a time, on the CPU in the file's dtype.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_MAX_HEADER = 100 << 20
 
-    Each tensor is read from the memory-mapped file when asked for, so a consumer that
-    copies it into place and drops it keeps one tensor in flight.
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file, not read yet: ``read_into`` fills a tensor the
+    caller owns straight from the file (no memory map, no intermediate copy)."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the data in the file."""
+    nbytes: int
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Read the bytes into ``out`` (contiguous, CPU, this dtype and shape)."""
+        assert out.is_contiguous() and out.device.type == "cpu" and out.dtype == self.dtype, \
+            (self.name, out.dtype, out.device)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            done = 0
+            while done < self.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.file}: tensor {self.name!r} is truncated")
+                done += n
+
+    def load(self) -> torch.Tensor:
+        """A new CPU tensor holding this tensor."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+
+def stored_tensors(file: Path) -> list[StoredTensor]:
+    """The tensors of one safetensors file, from its header (8-byte length + JSON)."""
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < size <= _MAX_HEADER:
+            raise ValueError(f"{file} is not a safetensors file (header size {size})")
+        header = json.loads(f.read(size))
+    base, out = 8 + size, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}; "
+                             f"supported: {sorted(_ST_DTYPES)} (quantized checkpoints are not)")
+        start, end = info["data_offsets"]
+        shape = tuple(int(d) for d in info["shape"])
+        expect = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if end - start != expect:
+            raise ValueError(f"{file}: tensor {name!r} spans {end - start} bytes, its shape "
+                             f"{shape} needs {expect}")
+        out.append(StoredTensor(name, file, dtype, shape, base + start, end - start))
+    return out
+
+
+def checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, StoredTensor]]:
+    """Every tensor of the checkpoint, not read yet (``StoredTensor``), file by file.
+
+    The consumer reads each straight into its destination (``WeightLoader`` does), so
+    loading holds one copy of the weights and no memory-mapped file pages.
     """
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        for t in stored_tensors(file):
+            yield t.name, t
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model.checkpoint import StoredTensor
 from common.model.config import ModelConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -73,8 +74,9 @@ class WeightLoader:
         self._digest = hashlib.sha256(repr(sorted(_digest_fields(cfg).items())).encode())
         self._digest_parts: dict[str, str] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into place (converting to the model's dtype)."""
+    def add(self, name: str, tensor: torch.Tensor | StoredTensor) -> None:
+        """Copy one checkpoint tensor into place (converting to the model's dtype); a
+        ``StoredTensor`` of the model's dtype is read from the file straight into place."""
         if name.endswith(_IGNORED):
             return
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
@@ -89,7 +91,13 @@ class WeightLoader:
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"config.json implies {tuple(target.shape)}")
-        target.copy_(tensor)
+        if not isinstance(tensor, StoredTensor):
+            target.copy_(tensor)
+        elif tensor.dtype == target.dtype and target.is_contiguous() and \
+                target.device.type == "cpu":
+            tensor.read_into(target)
+        else:  # another dtype or device: one tensor in flight
+            target.copy_(tensor.load())
         self._digest_parts[name] = _sample_digest(name, target)
         self._seen.add(name)
 
@@ -104,7 +112,7 @@ class WeightLoader:
         return _assemble(self.cfg, self._targets, self._fused, self._digest.hexdigest()[:32])
 
 
-def load_into(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+def load_into(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]],
               device: torch.device) -> Weights:
     """Stream ``tensors`` through a ``WeightLoader``; each may be dropped once copied."""
     loader = WeightLoader(cfg, device)
