@@ -73,23 +73,43 @@ class SamplingParams:
     top_p: float = 1.0
     """When sampling: only the most likely tokens whose probabilities add up to ``top_p``
     (nucleus sampling; the most likely token always stays); 1: all."""
+    stop_token_ids: tuple[int, ...] = ()
+    """More ids that end generation (included), e.g. every ``eos_token_id`` of a
+    checkpoint's generation_config.json."""
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        allowed = {"max_new_tokens", "stop_token", "temperature", "seed", "top_k", "top_p"}
+        allowed = {"max_new_tokens", "stop_token", "stop_token_ids", "temperature", "seed",
+                   "top_k", "top_p"}
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise BadRequest(f"unknown sampling parameters {unknown}; allowed: "
                              f"{sorted(allowed)}")
+        ids = d.get("stop_token_ids", ())
+        if not isinstance(ids, (list, tuple)):
+            raise BadRequest(f"stop_token_ids={ids!r} must be a list of token ids")
         try:
-            return cls(**d)
+            return cls(**{**d, "stop_token_ids": tuple(ids)})
         except TypeError as exc:
             raise BadRequest(f"bad sampling parameters: {exc}") from None
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends generation (``stop_token`` and ``stop_token_ids``)."""
+        return frozenset(self.stop_token_ids) | (
+            {self.stop_token} if self.stop_token >= 0 else set())
+
+    def is_stop(self, token: int) -> bool:
+        return token == self.stop_token or token in self.stop_token_ids
+
     def to_dict(self) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
-                "temperature": self.temperature, "seed": self.seed, "top_k": self.top_k,
-                "top_p": self.top_p}
+        """Plain fields; ``stop_token_ids`` only when set (a list)."""
+        d = {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
+             "temperature": self.temperature, "seed": self.seed, "top_k": self.top_k,
+             "top_p": self.top_p}
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
 
 
 def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
@@ -110,6 +130,8 @@ def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
     if not isinstance(params.stop_token, int) or not -1 <= params.stop_token < vocab_size:
         raise BadRequest(f"stop_token={params.stop_token!r}; allowed: -1 (none) or "
                          f"[0, {vocab_size})")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})")
     if not isinstance(params.seed, int):
         raise BadRequest(f"seed={params.seed!r} must be an integer")
     if not isinstance(params.top_k, int) or params.top_k < -1:

@@ -45,9 +45,8 @@ class DecodeSeq:
 
     @property
     def is_done(self) -> bool:
-        stop = self.params.stop_token
         return len(self.output) >= self.params.max_new_tokens or (
-            stop >= 0 and bool(self.output) and self.output[-1] == stop)
+            bool(self.output) and self.params.is_stop(self.output[-1]))
 
     @property
     def next_position(self) -> int:

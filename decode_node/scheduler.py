@@ -149,8 +149,7 @@ class DecodeSide:
         """Free the row (or hand it to the host connector while copies are in flight),
         send ``done``; returns the finish reason (``stop`` or ``length``)."""
         output = seq.output
-        stop = item.params.stop_token
-        reason = "stop" if stop >= 0 and output and output[-1] == stop else "length"
+        reason = "stop" if output and item.params.is_stop(output[-1]) else "length"
         self.counts["finished"] += 1
         self.counts["tokens"] += len(output)
         ranges = finish_ranges(item.kv, self.cache.page_size)

@@ -204,16 +204,13 @@ class SpeculativeStep:
 def _truncate(s: DecodeSeq, tokens: list[int]) -> list[int]:
     """Cut ``tokens`` at ``max_new_tokens`` and just after a stop token."""
     tokens = tokens[:max(0, s.params.max_new_tokens - len(s.output))]
-    stop = s.params.stop_token
-    if stop >= 0 and stop in tokens:
-        tokens = tokens[:tokens.index(stop) + 1]
-    return tokens
+    hit = next((i for i, t in enumerate(tokens) if s.params.is_stop(t)), None)
+    return tokens if hit is None else tokens[:hit + 1]
 
 
 def _ends(s: DecodeSeq, tokens: list[int]) -> bool:
-    stop = s.params.stop_token
     return (len(s.output) + len(tokens) >= s.params.max_new_tokens
-            or (stop >= 0 and bool(tokens) and tokens[-1] == stop))
+            or (bool(tokens) and s.params.is_stop(tokens[-1])))
 
 
 class MixedStep:

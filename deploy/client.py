@@ -32,8 +32,14 @@ class Client:
         self.ctx = zmq.Context()
         self.link = Link(self.ctx, address, name)
 
-    def submit(self, rid: str, prompt: list[int], params: dict | None = None) -> None:
-        self.link.send(Submit(rid, pack_ids(prompt), params or {}))
+    def submit(self, rid: str, prompt: list[int], params: dict | None = None, *,
+               text: str = "", messages: list[dict[str, str]] | None = None,
+               stop: list[str] | None = None) -> None:
+        """Submit token ids, or (``prompt`` empty) a ``text`` prompt or chat ``messages``
+        with optional ``stop`` strings; results of text requests carry text too."""
+        self.link.send(Submit(rid, pack_ids(prompt) if prompt else b"", params or {},
+                              text=text, messages=list(messages or []),
+                              stop=list(stop or [])))
 
     def send(self, msg: Message) -> None:
         """Send any control message."""

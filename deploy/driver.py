@@ -24,6 +24,12 @@ class Result:
     prompt_len: int
     max_new_tokens: int
     output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    """Text requests: the streamed text pieces joined (equal to ``final_text``)."""
+    final_text: str = ""
+    """Text requests: the output text in the router's ``Done``."""
+    prompt_tokens: int = 0
+    """Tokens of the prompt as the router encoded it."""
     reason: str = ""
     """stop, length, aborted, error, timeout, peer_lost; empty while in flight."""
     error: str = ""
@@ -51,7 +57,8 @@ class Result:
         return (self.t_last - self.t_first) / (n - 1) if n > 1 and self.t_first else 0.0
 
     def to_json(self) -> dict:
-        return {"rid": self.rid, "output_ids": self.output_ids, "prompt_len": self.prompt_len,
+        return {"rid": self.rid, "output_ids": self.output_ids, "text": self.final_text,
+                "prompt_len": self.prompt_len or self.prompt_tokens,
                 "max_new_tokens": self.max_new_tokens, "reason": self.reason,
                 "error": self.error, "ttft_s": round(self.ttft_s, 6),
                 "tpot_s": round(self.tpot_s, 6), "xfer_s": round(self.xfer_s, 6),
@@ -107,7 +114,8 @@ class _Session:
             req = self.requests[self.next_i]
             self.results[req.rid].t_submit = time.monotonic()
             self.client.submit(req.rid, req.prompt, {"max_new_tokens": req.max_new_tokens,
-                                                     **self.params})
+                                                     **self.params},
+                               text=req.text, messages=req.messages, stop=req.stop)
             self.next_i += 1
         _send_aborts(self.client, self.results, self.aborts, now)
         wait = 0.05
@@ -147,13 +155,16 @@ def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
         return False
     now = time.monotonic()
     if isinstance(msg, Tokens):
-        res.t_first = res.t_first or now
-        res.t_last = now
+        if msg.ids:
+            res.t_first = res.t_first or now
+            res.t_last = now
         res.output_ids.extend(msg.ids)
+        res.text += msg.text
         return False
     if isinstance(msg, Done):
         res.t_done, res.reason, res.error = now, msg.reason, msg.error
         res.xfer_s, res.kv_bytes = msg.xfer_s, msg.kv_bytes
+        res.final_text, res.prompt_tokens = msg.text, msg.prompt_tokens
         return True
     if isinstance(msg, Error):
         res.t_done, res.reason, res.error = now, "error", msg.error

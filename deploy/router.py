@@ -27,6 +27,7 @@ import zmq
 
 from common.codec import pack_ids, unpack_ids
 from common.config import ServeConfig
+from common.model import Tokenizer
 from common.node import (
     Abort,
     Bye,
@@ -52,6 +53,7 @@ from common.node import (
 )
 from common.request import BadRequest, SamplingParams, validate
 from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
+from deploy.text_route import TextRoute, encode_prompt
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
@@ -76,6 +78,8 @@ class Route:
     t_kv_wall: float = 0.0
     """Wall clock when the decode held all KV and the first token (0: not yet)."""
     aborted_by_client: bool = False
+    text: TextRoute | None = None
+    """A text request: its detokenizer and stop strings."""
 
 
 class Router:
@@ -84,6 +88,7 @@ class Router:
     def __init__(self, address: str, config: ServeConfig) -> None:
         self.config = config
         self.mcfg = config.model_config()
+        self._tokenizer: Tokenizer | None = None  # built at the first text request
         self.ctx = zmq.Context()
         self.hub = Hub(self.ctx, address)
         self.address = self.hub.address
@@ -175,7 +180,21 @@ class Router:
             if msg.t_kv_wall:
                 route.t_kv_wall = msg.t_kv_wall
                 msg = dataclasses.replace(msg, t_kv_wall=0.0)
-            self.hub.send(route.client, msg)
+            if route.text is not None:
+                msg = self._text_tokens(route, msg)
+            if msg.ids:
+                self.hub.send(route.client, msg)
+
+    def _text_tokens(self, route: Route, msg: Tokens) -> Tokens:
+        """Detokenize; a stop string ends the output here: the workers are told to stop."""
+        if route.text.stopped:
+            return dataclasses.replace(msg, ids=[])
+        ids, text = route.text.feed(msg.ids)
+        if route.text.stopped:
+            for name in (route.decode, route.prefill):
+                if name and route.decode_done is None:
+                    self._send_worker(name, Abort(route.rid))
+        return dataclasses.replace(msg, ids=ids, text=text)
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
         route = self.routes.get(msg.rid)
@@ -202,11 +221,8 @@ class Router:
         try:
             if rid in self.routes:
                 raise BadRequest(f"rid {rid!r} is already in flight")
-            try:
-                prompt = unpack_ids(msg.prompt, "prompt").tolist()
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
             params = SamplingParams.from_dict(msg.params)
+            prompt, params, text = self._prompt(msg, params)
             validate(prompt, params, vocab_size=self.mcfg.vocab_size,
                      max_tokens=max_tokens(self.workers.values()),
                      max_new_tokens_limit=self.config.max_new_tokens_limit)
@@ -216,13 +232,35 @@ class Router:
             self.errors["bad_request"] += 1
             self.hub.send(peer, Error(rid, str(exc), "bad_request"))
             return
-        self._route(peer, rid, prompt, params, decode, prefill)
+        self._route(peer, rid, prompt, params, decode, prefill, text)
+
+    def _prompt(self, msg: Submit, params: SamplingParams
+                ) -> tuple[list[int], SamplingParams, TextRoute | None]:
+        """Token ids of the prompt; a text request is encoded, gets the model's eos ids as
+        stop ids and a ``TextRoute`` (docs/models.md)."""
+        if not (msg.text or msg.messages):
+            if msg.stop:
+                raise BadRequest("stop strings need a text request (text or messages)")
+            try:
+                return unpack_ids(msg.prompt, "prompt").tolist(), params, None
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        if msg.prompt:
+            raise BadRequest("send exactly one of prompt token ids, text or messages")
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.for_model(self.mcfg)
+        tok = self._tokenizer
+        prompt = encode_prompt(tok, msg.text, msg.messages)
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *tok.eos_token_ids)))
+        params = dataclasses.replace(params, stop_token_ids=stops)
+        return prompt, params, TextRoute(tok, prompt, msg.stop)
 
     def _route(self, client: bytes, rid: str, prompt: list[int], params: SamplingParams,
-               decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+               decode: WorkerInfo, prefill: WorkerInfo | None,
+               text: TextRoute | None = None) -> None:
         row_len = len(prompt) + params.max_new_tokens
         route = Route(rid, client, decode.name, prefill.name if prefill else "", len(prompt),
-                      row_len, time.monotonic())
+                      row_len, time.monotonic(), text=text)
         self.routes[rid] = route
         eager = admits_at_once(decode, row_len, self.config)
         decode.assigned += row_len
@@ -280,12 +318,20 @@ class Router:
         done = route.decode_done
         if done is None or (route.prefill and route.prefill_info is None and not force):
             return
+        if route.text is not None and (tail := route.text.finish()):
+            self.hub.send(route.client, Tokens(route.rid, [], text=tail))  # held-back text
         self.hub.send(route.client, self._final(route, done, route.prefill_info))
         del self.routes[route.rid]
 
     @staticmethod
     def _final(route: Route, done: Done, info: Prefilled | None) -> Done:
         """The client's ``Done``: the decode's, with the prefill's figures and words."""
+        if route.text is not None:
+            if route.text.stopped:  # the router stopped it: the decode saw an abort
+                done = dataclasses.replace(done, reason="stop", error="",
+                                           n=route.text.num_ids)
+            done = dataclasses.replace(done, text=route.text.text)
+        done = dataclasses.replace(done, prompt_tokens=route.prompt_len)
         out = done
         if route.aborted_by_client and not done.ok:
             out = dataclasses.replace(out, reason="aborted")  # a race may say "error"

@@ -6,7 +6,7 @@ same seed send the same requests, so their outputs compare token by token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +60,12 @@ class WorkRequest:
     max_new_tokens: int
     arrival_s: float
     """Seconds after the start of the run at which the request is sent."""
+    text: str = ""
+    """A text prompt instead of ``prompt`` ids (encoded by the router)."""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """Chat messages instead (the model's chat template)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (text requests)."""
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkRequest]:

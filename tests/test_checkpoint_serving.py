@@ -160,3 +160,78 @@ def test_workers_with_different_weights_refuse_each_other() -> None:
     check(mine, same)
     with pytest.raises(HandshakeError, match="mismatch on model_digest"):
         check(mine, other)
+
+
+def _hf_until_eos(prompt: list[int], max_new: int, eos: tuple[int, ...]) -> list[int]:
+    import torch
+
+    from tests.checkpoint_helpers import _fresh
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = _fresh("llama", "float64").generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+            eos_token_id=list(eos), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_text_requests_through_a_deployment(tmp_path) -> None:
+    """Chat messages and plain text in, text out: the router encodes with the checkpoint's
+    tokenizer and chat template, decode stops on any eos id of generation_config.json,
+    the stream joins to the final text, and a stop string ends the output before it."""
+    import transformers
+
+    from common.model import Tokenizer
+    from deploy.driver import drive
+    from deploy.workload import WorkRequest
+
+    path = hf_checkpoint("llama")
+    tok, hf_tok = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    msgs = [[{"role": "user", "content": f"Tell me about cache pages, part {i}."}]
+            for i in range(6)]
+    want_ids = []
+    for m in msgs:
+        ids = hf_tok.apply_chat_template(m, add_generation_prompt=True, return_dict=False)
+        want_ids.append(_hf_until_eos(list(ids), 24, tok.eos_token_ids))
+    texts = [tok.decode(w) for w in want_ids]
+    # a stop string from the middle of the first output that is long enough
+    i, text = next((i, t) for i, t in enumerate(texts) if len(t) >= 8)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    reqs = [WorkRequest(f"m{j}", [], 24, 0.0, messages=m, stop=[stop] if j == i else [])
+            for j, m in enumerate(msgs)]
+    reqs.append(WorkRequest("plain", [], 5, 0.0, text="The quick brown fox"))
+    cluster = Cluster(_cfg(), "colocated", 0, 1, log_dir=str(tmp_path)).start()
+    try:
+        results = drive(cluster.client, reqs, timeout_s=120)
+    finally:
+        cluster.stop()
+    for j, want in enumerate(want_ids):
+        r = results[f"m{j}"]
+        assert r.text == r.final_text, (r.text, r.final_text)
+        if j == i:
+            assert r.reason == "stop" and r.final_text == text[:text.index(stop)]
+            assert r.output_ids == want[:len(r.output_ids)]
+            continue
+        assert r.output_ids == want, j
+        assert r.final_text == texts[j]
+        assert r.reason == ("stop" if want[-1] in tok.eos_token_ids else "length")
+    plain = results["plain"]
+    assert plain.prompt_tokens == len(hf_tok.encode("The quick brown fox"))
+    assert len(plain.output_ids) <= 5 and plain.final_text == tok.decode(plain.output_ids)
+    for log in cluster.freelogs():
+        assert replay_file(log).ok
+
+
+def test_stop_token_ids_round_trip_and_validate() -> None:
+    from common.request import BadRequest, validate
+
+    p = SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2, 4]})
+    assert p.stop_token_ids == (2, 4) and p.is_stop(4) and not p.is_stop(3)
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert "stop_token_ids" not in SamplingParams().to_dict()  # the old wire form
+    assert p.stop_ids == {2, 4} and SamplingParams(stop_token=7).stop_ids == {7}
+    with pytest.raises(BadRequest, match="stop_token_ids must be integers"):
+        validate([1], SamplingParams(4, stop_token_ids=(999,)), vocab_size=384, max_tokens=99,
+                 max_new_tokens_limit=9)
+    with pytest.raises(BadRequest, match="must be a list"):
+        SamplingParams.from_dict({"stop_token_ids": 3})

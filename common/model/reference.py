@@ -7,7 +7,7 @@ speculation, offload) must reproduce these tokens exactly at float64 on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from common.kv import KvCache, ceil_div
 from common.model.model import Model
@@ -15,7 +15,8 @@ from common.model.runner import BatchItem, ModelRunner
 
 
 def generate_greedy(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                    page_size: int = 16, stop_token: int | None = None) -> list[list[int]]:
+                    page_size: int = 16, stop_token: int | None = None,
+                    stop_token_ids: Collection[int] = ()) -> list[list[int]]:
     """Greedy outputs of each prompt, one request at a time.
 
     Args:
@@ -23,8 +24,9 @@ def generate_greedy(model: Model, prompts: Sequence[Sequence[int]], max_new_toke
         prompts: token-id lists, each non-empty.
         max_new_tokens: tokens to generate per prompt (>= 0).
         page_size: slots per page of the reference's pool.
-        stop_token: generation of a request ends after it emits this token; the stop
-            token is included in its output.
+        stop_token, stop_token_ids: generation of a request ends after it emits one of
+            these tokens (e.g. a checkpoint's eos ids); the stop token is included in its
+            output.
 
     Returns:
         One list of generated token ids per prompt (the prompt excluded).
@@ -38,21 +40,22 @@ def generate_greedy(model: Model, prompts: Sequence[Sequence[int]], max_new_toke
                     layout=model.config.kv_layout(with_draft=False), device=model.device,
                     max_rows=1, node="reference")
     runner = ModelRunner(model, cache)
-    outputs = [_generate_one(runner, list(p), max_new_tokens, stop_token) for p in prompts]
+    stops = frozenset(stop_token_ids) | ({stop_token} if stop_token is not None else set())
+    outputs = [_generate_one(runner, list(p), max_new_tokens, stops) for p in prompts]
     cache.check_integrity()
     cache.close()
     return outputs
 
 
 def _generate_one(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
-                  stop_token: int | None) -> list[int]:
+                  stops: frozenset[int]) -> list[int]:
     cache = runner.cache
     kv = cache.open_row("ref")
     out: list[int] = []
     # Row positions: [0, len(prompt)) prompt | then one per generated token except the last,
     # whose KV is never needed.
     tokens, start = prompt, 0
-    while len(out) < max_new_tokens and (not out or out[-1] != stop_token):
+    while len(out) < max_new_tokens and (not out or out[-1] not in stops):
         cache.extend(kv, len(tokens))
         logits = runner.forward([BatchItem(kv, tokens, start)])
         cache.commit(kv, len(tokens))

@@ -37,6 +37,8 @@ from common.codec import Codec
 
 Scalar = int | float | str | bool
 """A value of a free-form map (config, params, stats)."""
+Param = int | float | str | bool | list[int]
+"""A sampling parameter's value (``stop_token_ids`` is a list)."""
 MAX_CONTROL_BYTES = 16 << 20
 """Largest control frame accepted (a prompt of four million tokens)."""
 
@@ -109,6 +111,9 @@ class Tokens:
     ids: list[int]
     first: bool = False
     """The first token (computed by prefill)."""
+    text: str = ""
+    """Router -> client, text requests: the text these ids complete (may be empty while a
+    character or a possible stop string is incomplete)."""
     t_kv_wall: float = 0.0
     """Decode -> router only: wall clock when the decode held all KV and the first
     token (the router measures the exposed transfer with it)."""
@@ -128,6 +133,11 @@ class Done:
     """Router -> client: last prefill chunk computed -> decode holds all KV."""
     kv_bytes: int = 0
     """Router -> client: bytes of KV the transfer carried."""
+    text: str = ""
+    """Router -> client, text requests: the whole output text (the streamed pieces
+    joined), cut before a stop string."""
+    prompt_tokens: int = 0
+    """Router -> client: tokens of the prompt (a text prompt as encoded)."""
 
     @property
     def ok(self) -> bool:
@@ -150,7 +160,7 @@ class Req:
     rid: str
     prompt: bytes
     """int32 token ids (``unpack_ids``)."""
-    params: dict[str, Scalar]
+    params: dict[str, Param]
     """``SamplingParams.to_dict()``, validated by the router."""
     prefill: str
     prefill_addr: str
@@ -168,7 +178,14 @@ class Submit:
 
     rid: str
     prompt: bytes
-    params: dict[str, Scalar] = field(default_factory=dict)
+    params: dict[str, Param] = field(default_factory=dict)
+    text: str = ""
+    """A text prompt instead of ``prompt`` ids (encoded by the router; bos as the
+    tokenizer adds it)."""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """Chat messages (role, content) instead: rendered with the model's chat template."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the output ends before the first (text requests)."""
 
 
 @dataclass(frozen=True)
