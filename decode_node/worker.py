@@ -47,8 +47,9 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, name: str, router: str, device: str = "cpu",
-                 log_dir: str | None = None) -> None:
-        super().__init__(name, router, device, log_dir)
+                 log_dir: str | None = None, local_models: dict[str, str] | None = None
+                 ) -> None:
+        super().__init__(name, router, device, log_dir, local_models=local_models)
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
         self.side = DecodeSide(name, cfg, cache, self.runner, self.send, device=device,

@@ -353,6 +353,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     p.add_argument("--log-dir", metavar="DIR", help="write the free log <name>.freelog here")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--model", metavar="DIR",
+                   help="this host's copy of the deployment's checkpoint directory (default: "
+                        "the router's model_path); the KV handshake refuses peers whose "
+                        "weights differ")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="this host's copy of the draft checkpoint (default: the router's)")
     _add_log_level(p)
     p.set_defaults(func=_run_worker)
 

@@ -27,8 +27,9 @@ class ColocatedWorker(WorkerBase):
     role = "colocated"
 
     def __init__(self, name: str, router: str, device: str = "cpu",
-                 log_dir: str | None = None) -> None:
-        super().__init__(name, router, device, log_dir)
+                 log_dir: str | None = None, local_models: dict[str, str] | None = None
+                 ) -> None:
+        super().__init__(name, router, device, log_dir, local_models=local_models)
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,

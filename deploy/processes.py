@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import socket
+from pathlib import Path
 
 from common.config import DEFAULT, ServeConfig
 
@@ -65,7 +66,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace, name: str):
-    common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir)
+    local = {field: str(Path(value).expanduser().resolve()) for field, value in
+             (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
+    common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
+                  local_models=local)
     if args.command == "prefill":
         from prefill_node.worker import PrefillWorker
         return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, **common)

@@ -71,8 +71,9 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, name: str, router: str, kv_bind: str, kv_advertise: str = "",
-                 device: str = "cpu", log_dir: str | None = None) -> None:
-        super().__init__(name, router, device, log_dir)
+                 device: str = "cpu", log_dir: str | None = None,
+                 local_models: dict[str, str] | None = None) -> None:
+        super().__init__(name, router, device, log_dir, local_models=local_models)
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.prefill_pages)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,

@@ -235,3 +235,73 @@ def test_stop_token_ids_round_trip_and_validate() -> None:
                  max_new_tokens_limit=9)
     with pytest.raises(BadRequest, match="must be a list"):
         SamplingParams.from_dict({"stop_token_ids": 3})
+
+
+def test_hosts_with_their_own_copies_and_different_weights(tmp_path) -> None:
+    """pdkv prefill/decode --model DIR: a copy of the checkpoint elsewhere serves; a decode
+    whose weights differ is refused by the KV handshake, naming model_digest."""
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from deploy.client import Client
+    from tests.checkpoint_helpers import hf_model
+
+    src = hf_checkpoint("llama")
+    copy = shutil.copytree(src, tmp_path / "copy")
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    model = hf_model("llama")
+    with torch.no_grad():  # same shapes, one weight changed
+        model.model.norm.weight.add_(1.0)
+        model.save_pretrained(other)
+        model.model.norm.weight.sub_(1.0)
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    router, kv = f"tcp://127.0.0.1:{port()}", port()
+    base = [sys.executable, "-m", "deploy.cli"]
+    cfg = _cfg(offload=False)
+    cmds = {"router": [*base, "router", "--bind", router, "--config-json",
+                       json.dumps(cfg.to_dict())],
+            "p": [*base, "prefill", "--router", router, "--name", "p", "--model", str(copy),
+                  "--kv-bind", f"tcp://127.0.0.1:{kv}", "--log-dir", str(tmp_path)],
+            "d": [*base, "decode", "--router", router, "--name", "d", "--model", str(other),
+                  "--log-dir", str(tmp_path)]}
+    procs = {n: subprocess.Popen(c, stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp_path / f"{n}.log", "w"))
+             for n, c in cmds.items()}
+    client = Client(router)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                workers = client.status(0.5).workers
+            except TimeoutError:
+                continue
+            if len(workers) == 2 and all(w["ready"] for w in workers.values()):
+                break
+        client.submit("r", [5, 6, 7, 8], {"max_new_tokens": 4})
+        done = None
+        while done is None and time.monotonic() < deadline:
+            done = next((m for m in client.poll(0.5) if type(m).__name__ in ("Done", "Error")),
+                        None)
+        assert done is not None and done.reason not in ("stop", "length"), done
+        client.shutdown(30)
+        assert all(p.wait(30) == 0 for p in procs.values())
+    finally:
+        client.close()
+        for p in procs.values():
+            p.kill()
+    logs = (tmp_path / "d.log").read_text() + (tmp_path / "p.log").read_text()
+    assert "mismatch on model_digest" in logs, logs[-2000:]
+    for name in ("p", "d"):
+        assert replay_file(tmp_path / f"{name}.freelog").ok

@@ -57,13 +57,19 @@ class WorkerBase(ABC):
         router: the router's address.
         device: 'cpu' or 'cuda:N'.
         log_dir: directory for this worker's free log (``<name>.freelog``); None: no log.
+        local_models: ``model_path`` / ``draft_model_path`` of this host's copies of the
+            deployment's checkpoints (``pdkv prefill --model DIR``); empty: the router's.
     """
 
     role = "worker"
 
     def __init__(self, name: str, router: str, device: str = "cpu",
-                 log_dir: str | None = None, register_timeout_s: float = 60.0) -> None:
+                 log_dir: str | None = None, register_timeout_s: float = 60.0, *,
+                 local_models: dict[str, str] | None = None) -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
+        # This host's copies of the checkpoints (model_path, draft_model_path) replace
+        # the router's paths; the KV handshake's weights fingerprint proves they match.
+        self.local_models = dict(local_models or {})
         self.ctx = zmq.Context()
         self.link = Link(self.ctx, router, name)
         self.stopping = False
@@ -78,7 +84,7 @@ class WorkerBase(ABC):
         while time.monotonic() < deadline:
             msg = self.link.recv(0.2)
             if isinstance(msg, Registered):
-                return ServeConfig.from_dict(msg.config)
+                return ServeConfig.from_dict({**msg.config, **self.local_models})
             if isinstance(msg, Error):
                 raise RuntimeError(f"{self.name}: router refused registration: {msg.error}")
         raise RouterLost(f"{self.name}: no answer from the router within {timeout_s}s")
