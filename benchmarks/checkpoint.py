@@ -30,32 +30,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.speculative import _decode_once, _median, _prompts
-from common.model import (
-    Model,
-    get_config,
-    load_config,
-    seeded_tensors,
-    write_builtin_tokenizer,
-    write_checkpoint,
-)
+from common.model import Model, export_builtin, get_config, load_config
 from decode_node.batch import greedy_step
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
 
 
 def export(shape: str, dtype: str, path: Path, *, layers: int | None = None) -> Path:
-    """The built-in ``shape`` as a checkpoint (its first ``layers`` blocks when given,
-    with the same final norm and lm_head: the layer-skip draft as its own checkpoint)."""
-    cfg = get_config(shape, dtype=dtype, num_draft_layers=0)
-    full = get_config(shape, dtype=dtype)  # seeded with the draft-friendly late scale
-    tensors = seeded_tensors(full)
-    if layers is not None:
-        cfg = cfg.with_overrides(num_layers=layers)
-        tensors = ((n, t) for n, t in tensors
-                   if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers)
-    write_checkpoint(path, cfg, tensors)
-    write_builtin_tokenizer(path, cfg.vocab_size)
-    return path
+    return export_builtin(shape, path, dtype, layers=layers)
 
 
 def _status_bytes(field: str) -> int:

@@ -16,7 +16,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_serving(sub)
     _add_keys(sub)
+    _add_model(sub)
     return parser
+
+
+def _add_model(sub) -> None:
+    p = sub.add_parser("model", help="built-in models as Hugging Face checkpoints")
+    cmd = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    e = cmd.add_parser("export", help="write a built-in model as a checkpoint directory",
+                       description="Write the seeded weights of a built-in model, its "
+                                   "config.json and the built-in tokenizer in the Hugging "
+                                   "Face layout: a checkpoint that pdkv run --model DIR and "
+                                   "transformers' from_pretrained load (docs/models.md).")
+    e.add_argument("name", help="built-in model: tiny, small, llama-1b-shape, llama-8b-shape")
+    e.add_argument("dir", help="directory to write (created)")
+    e.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
+                   help="weights dtype (default: the model's own)")
+    e.add_argument("--layers", type=int, metavar="N",
+                   help="only the first N blocks (the built-in draft as its own checkpoint)")
+    e.set_defaults(func=_run_model_export)
+
+
+def _run_model_export(args: argparse.Namespace) -> int:
+    from common.model import CONFIGS, export_builtin
+
+    if args.name not in CONFIGS:
+        print(f"pdkv model export: unknown built-in model {args.name!r}; allowed: "
+              f"{sorted(CONFIGS)}", file=sys.stderr)
+        return 2
+    print(export_builtin(args.name, args.dir, args.dtype or "", layers=args.layers))
+    return 0
 
 
 def _add_keys(sub) -> None:

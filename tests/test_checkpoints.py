@@ -213,3 +213,23 @@ def test_truncated_or_foreign_weight_files_are_refused(tmp_path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="is not a safetensors file"):
         Model(load_config(tmp_path))
+
+
+def test_pdkv_model_export_writes_the_builtin_with_its_tokenizer(tmp_path) -> None:
+    import transformers
+
+    from common.model import Tokenizer
+    from deploy.cli import main
+
+    assert main(["model", "export", "tiny", str(tmp_path / "tiny"), "--dtype", "float64"]) == 0
+    cfg = load_config(tmp_path / "tiny")
+    assert (cfg.architecture, cfg.num_draft_layers, cfg.dtype) == ("LlamaForCausalLM", 0,
+                                                                  "float64")
+    assert Model(cfg).fingerprint == Model(get_config("tiny", dtype="float64")).fingerprint
+    tok = Tokenizer.from_dir(tmp_path / "tiny")
+    assert tok.eos_token_ids == (2, 4) and tok.encode("hi") == Tokenizer.builtin(512).encode(
+        "hi")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    assert hf.encode("Größe 🙂") == tok.encode("Größe 🙂")
+    assert main(["model", "export", "tiny", str(tmp_path / "d"), "--layers", "1"]) == 0
+    assert load_config(tmp_path / "d").num_layers == 1

@@ -4,6 +4,7 @@ the reference."""
 from common.model.builtin_text import write_builtin_tokenizer
 from common.model.checkpoint import checkpoint_tensors, write_checkpoint
 from common.model.config import ARCHITECTURES, CONFIGS, ModelConfig, get_config
+from common.model.export import export_builtin
 from common.model.hf_config import UnsupportedModel, load_config
 from common.model.model import Model, load_weights
 from common.model.reference import generate_greedy
@@ -15,5 +16,5 @@ from common.model.tokenizer import Tokenizer
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
-           "generate_greedy", "get_config", "load_config", "load_weights", "sample",
-           "seeded_tensors", "write_builtin_tokenizer", "write_checkpoint"]
+           "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
+           "sample", "seeded_tensors", "write_builtin_tokenizer", "write_checkpoint"]
