@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common.freelog import FreeLogWriter
-from common.kv import KvLayout, PageAllocator, copy_pages
+from common.kv import KvLayout, PageAllocator, PoolStats, copy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,11 @@ class HostTier:
     def unpin(self, pin_id: int) -> None:
         with self._lock:
             self._pool.unpin(pin_id)
+
+    def pool_stats(self) -> PoolStats:
+        """The host pool's pages by state and owner kind and its event counters."""
+        with self._lock:
+            return self._pool.stats()
 
     def owners_holding_pages(self) -> dict[str, int]:
         with self._lock:

@@ -5,9 +5,11 @@ from common.kv.cache import KvCache
 from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
 from common.kv.page_copy import check_pages, copy_pages, page_runs
+from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
 from common.kv.record import KvRecord
 from common.kv.shared_tensor import SharedTensor
 
-__all__ = ["KvCache", "KvLayout", "KvRecord", "OutOfPages", "PageAllocator", "RangeError",
-           "SharedTensor", "ceil_align", "ceil_div", "check_pages", "copy_pages", "page_runs"]
+__all__ = ["PAGE_STATES", "KvCache", "KvLayout", "KvRecord", "OutOfPages", "PageAllocator",
+           "PoolStats", "RangeError", "SharedTensor", "ceil_align", "ceil_div", "check_pages",
+           "copy_pages", "page_runs"]

@@ -9,8 +9,8 @@ Page states, derived from two arrays:
     pending     FREE       > 0           no      (freed while pinned; back at last unpin)
     reserved  RESERVED      0            no      (page 0: padding, never handed out)
 
-Every operation is vectorised over page-id arrays and, when a free log is attached,
-recorded as one event.
+Every operation is vectorised over page-id arrays, counted in ``counters`` and, when a
+free log is attached, recorded as one event in the same call (metrics agree with the log).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.freelog import FreeLogWriter
+from common.kv.pool_stats import PoolCounters, PoolStats, owner_kind
 
 FREE = -1
 RESERVED = -2
@@ -45,6 +46,7 @@ class PageAllocator:
         self._owner_ids: dict[str, int] = {}
         self._owner_names: list[str] = []
         self._pins: dict[int, np.ndarray] = {}
+        self.counters = PoolCounters()
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -80,6 +82,22 @@ class PageAllocator:
         counts = np.bincount(self._owner_of[self._owner_of >= 0], minlength=1)
         return {self._owner_names[i]: int(c) for i, c in enumerate(counts) if c}
 
+    def stats(self) -> PoolStats:
+        """Pages by state and by owner kind, and the counters (one vectorised pass)."""
+        owned = self._owner_of >= 0
+        pinned = self._pin_count > 0
+        states = {"free": self._top,
+                  "owned": int(np.count_nonzero(owned & ~pinned)),
+                  "pinned": int(np.count_nonzero(owned & pinned)),
+                  "pending": int(np.count_nonzero((self._owner_of == FREE) & pinned)),
+                  "reserved": len(self.reserved)}
+        kinds: dict[str, int] = {}
+        per_owner = np.bincount(self._owner_of[owned], minlength=len(self._owner_names))
+        for oid in np.flatnonzero(per_owner):
+            kind = owner_kind(self._owner_names[oid])
+            kinds[kind] = kinds.get(kind, 0) + int(per_owner[oid])
+        return PoolStats(self.name, self.num_pages, states, kinds, self.counters.snapshot())
+
     # -- state changes ------------------------------------------------------------------
     def allocate(self, n: int, owner: str) -> np.ndarray:
         """Hand ``n`` free pages to ``owner``; the caller checked ``can_allocate(n)``."""
@@ -87,6 +105,7 @@ class PageAllocator:
         self._top -= n
         pages = self._stack[self._top:self._top + n][::-1].copy()
         self._owner_of[pages] = self.owner_id(owner)
+        self.counters.record("alloc", n)
         if self._log is not None:
             self._log.alloc(self.name, pages, owner)
         return pages
@@ -95,6 +114,7 @@ class PageAllocator:
              ranges: list[tuple[int, int]] | None = None) -> None:
         """``owner`` gives ``pages`` back (checked by the caller); pinned ones become pending."""
         self._owner_of[pages] = FREE
+        self.counters.record("free", len(pages), reason)
         if self._log is not None:
             self._log.free(self.name, pages, owner, reason, ranges)
         self._push(pages[self._pin_count[pages] == 0])
@@ -102,6 +122,7 @@ class PageAllocator:
     def handoff(self, pages: np.ndarray, owner: str, to: str) -> None:
         """Move ``pages`` (held by ``owner``, checked by the caller) to the owner ``to``."""
         self._owner_of[pages] = self.owner_id(to)
+        self.counters.record("handoff", len(pages))
         if self._log is not None:
             self._log.handoff(self.name, pages, owner, to)
 
@@ -118,6 +139,7 @@ class PageAllocator:
         assert pin_id not in self._pins, f"pin id {pin_id} reused in {self.name}"
         self._pins[pin_id] = pages
         np.add.at(self._pin_count, pages, 1)
+        self.counters.record("pin", len(pages), reason)
         if self._log is not None:
             self._log.pin(self.name, pages, pin_id, reason)
 
@@ -125,11 +147,13 @@ class PageAllocator:
         """End a pin; pages freed meanwhile whose last pin this was go back to the free list."""
         pages = self._pins.pop(pin_id)
         np.subtract.at(self._pin_count, pages, 1)
+        self.counters.record("unpin", len(pages))
         if self._log is not None:
             self._log.unpin(self.name, pages, pin_id)
         released = np.unique(pages[(self._pin_count[pages] == 0)
                                    & (self._owner_of[pages] == FREE)])
         if len(released):
+            self.counters.record("release", len(released))
             if self._log is not None:
                 self._log.release(self.name, released)
             self._push(released)

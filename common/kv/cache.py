@@ -20,6 +20,7 @@ from common.freelog import FreeLogWriter
 from common.kv.allocator import PageAllocator
 from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
+from common.kv.pool_stats import PoolStats
 from common.kv.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
 from common.kv.record import KvRecord
 from common.kv.shared_tensor import SharedTensor
@@ -352,6 +353,11 @@ class KvCache:
             self._closed = True
             for shared in self._shared.values():
                 shared.close()
+
+    def pool_stats(self) -> list[PoolStats]:
+        """Every pool's pages by state and owner kind and its event counters, read at once."""
+        with self._lock:
+            return [pool.stats() for pool in self._pools.values()]
 
     def owners_holding_pages(self, pool: str = "full") -> dict[str, int]:
         with self._lock:
