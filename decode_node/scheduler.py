@@ -20,6 +20,7 @@ from collections.abc import Callable
 from common.config import ServeConfig
 from common.host import close_offloader, host_salt, make_offloader
 from common.kv import KvCache
+from common.metrics import host_readings, spec_readings
 from common.model import ModelRunner
 from common.node import Done, Load, Message, Tokens
 from common.request import ReqState
@@ -219,6 +220,15 @@ class DecodeSide:
         close_offloader(self.off, self.cfg.lease_s)
         self.cache.check_integrity()
         self.cache.close()
+
+
+def side_readings(side: DecodeSide) -> list:
+    """Speculation, prefix-hit and host-copy counters of a decode side (metrics)."""
+    out = [*spec_readings(getattr(side.step_fn, "stats", None)),
+           *host_readings(side.off, side.cache.layout.page_bytes(side.cache.page_size))]
+    if side.conn is not None:
+        out.append(("pdkv_prefix_hit_pages_total", {}, side.conn.num_prefix_hit_pages))
+    return out
 
 
 def _free_reason(reason: str) -> str:

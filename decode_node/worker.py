@@ -30,13 +30,14 @@ import logging
 import time
 
 from common.codec import unpack_ids
+from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
 from common.request import BadRequest, ReqState, SamplingParams
 from decode_node.admission import WorkItem
 from decode_node.batch import DecodeSeq
 from decode_node.retraction import Retractor
-from decode_node.scheduler import DecodeSide
-from transport import EventKind, KvReceiver, TransportConfig
+from decode_node.scheduler import DecodeSide, side_readings
+from transport import EventKind, KvReceiver, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class DecodeWorker(WorkerBase):
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
         self.groups: dict[str, int] = {}
+        watch_host(self.metrics, self.side.off)
         self.report_ready()
 
     # -- control -------------------------------------------------------------------------
@@ -207,6 +209,11 @@ class DecodeWorker(WorkerBase):
 
     def stats(self) -> dict:
         return self.side.stats({"bytes_recv": int(self.rx.stats["bytes_recv"])})
+
+    def metric_readings(self) -> list:
+        retracted = len(self.retractor.waiting) if self.retractor is not None else 0
+        return [*side_readings(self.side), *transport_readings(self.rx, "received"),
+                ("pdkv_queue_requests", {"queue": "retracted"}, retracted)]
 
     def close(self) -> None:
         self.side.abort_all(self._end)

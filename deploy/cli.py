@@ -160,6 +160,7 @@ def _add_serving(sub) -> None:
     _add_run(sub)
     _add_serve(sub)
     _add_frontend(sub)
+    _add_top(sub)
     _add_router(sub)
     _add_prefill(sub)
     _add_decode(sub)
@@ -279,6 +280,7 @@ def _add_run(sub) -> None:
     p.add_argument("--shutdown", action="store_true",
                    help="with --router: stop the deployment afterwards and replay the free "
                         "logs found in --log-dir")
+    _add_metrics_flags(p)
     _add_workload_flags(p, 64)
     _add_config_flags(p)
     p.set_defaults(func=_run_run)
@@ -350,6 +352,35 @@ def _run_frontend(args: argparse.Namespace) -> int:
     from deploy.http.commands import frontend_main
 
     return frontend_main(args)
+def _add_top(sub) -> None:
+    p = sub.add_parser(
+        "top", help="live view of a deployment's KV pages, queues and transfers",
+        description="Once a second, read the deployment's metrics from the router (--router) "
+                    "or a /metrics URL (--url: the router's --metrics-port, or the HTTP "
+                    "front door) and draw every worker: device pool as a stacked bar "
+                    "(owned, pinned, pending, free) with page counts, host tier, running "
+                    "batch, queues, transfers in flight and their data path (shm, tcp, "
+                    "ipc; a same-host peer off shm is highlighted), tokens/s, KV MB/s, "
+                    "pages freed/s; then pages freed by reason. Ctrl-C quits. Needs rich: "
+                    "pip install 'pdkv[top]'.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--router", metavar="ADDR", help="the router's address, e.g. "
+                                                      "tcp://router-host:5555")
+    src.add_argument("--url", metavar="URL", help="a Prometheus endpoint serving pdkv's "
+                                                  "metrics, e.g. http://host:9400/metrics")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between frames (default 1)")
+    p.add_argument("--once", action="store_true",
+                   help="print one frame and exit (scripts, logs)")
+    p.add_argument("--timeout", type=float, default=2.0, metavar="S",
+                   help="deadline of each read (default 2)")
+    p.set_defaults(func=_run_top)
+
+
+def _run_top(args: argparse.Namespace) -> int:
+    from deploy.top_cli import main as top_main
+
+    return top_main(args)
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:
@@ -365,8 +396,19 @@ def _add_router(sub) -> None:
                    help="address to bind (default tcp://0.0.0.0:5555)")
     p.add_argument("--config-json", metavar="JSON",
                    help="ServeConfig fields as a JSON object (default: the embedded default)")
+    _add_metrics_flags(p)
     _add_log_level(p)
     p.set_defaults(func=_run_router)
+
+
+def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve the deployment's Prometheus metrics (router and every worker, "
+                        "labelled by worker) at http://HOST:PORT/metrics; 0 picks a free "
+                        "port (default: not served over HTTP; pdkv top still works)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="interface for --metrics-port (default 127.0.0.1; 0.0.0.0 for a "
+                        "Prometheus on another host)")
 
 
 def _run_router(args: argparse.Namespace) -> int:

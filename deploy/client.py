@@ -13,6 +13,8 @@ from common.node import (
     Link,
     Malformed,
     Message,
+    MetricsQuery,
+    MetricsSnapshot,
     Shutdown,
     Status,
     StatusReport,
@@ -69,10 +71,18 @@ class Client:
     def status(self, timeout_s: float = 1.0) -> StatusReport:
         return self.request(Status(), StatusReport, timeout_s)
 
+    def metrics(self, timeout_s: float = 2.0) -> bytes:
+        """The deployment's metrics (``common.metrics.loads`` + ``from_wire`` read them)."""
+        snap: MetricsSnapshot = self.request(MetricsQuery(), MetricsSnapshot, timeout_s)
+        return snap.families
+
     def shutdown(self, timeout_s: float = 30.0) -> dict:
         """Ask the router to stop every worker; returns each worker's final stats."""
-        bye: Bye = self.request(Shutdown(), Bye, timeout_s)
-        return bye.stats
+        return self.shutdown_bye(timeout_s).stats
+
+    def shutdown_bye(self, timeout_s: float = 30.0) -> Bye:
+        """``shutdown``, answering the whole ``Bye`` (stats and final metrics)."""
+        return self.request(Shutdown(), Bye, timeout_s)
 
     def close(self) -> None:
         self.link.close()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 
 from common.codec import unpack_ids
+from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
 from common.request import ReqState, SamplingParams
 from decode_node.admission import WorkItem
-from decode_node.scheduler import DecodeSide
+from decode_node.scheduler import DecodeSide, side_readings
 from prefill_node.engine import PrefillEngine, PrefillTask
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class ColocatedWorker(WorkerBase):
                                     with_draft=cfg.with_draft)
         self.side = DecodeSide(name, cfg, cache, self.runner, self.send, device=device,
                                log_dir=log_dir, log=logger, who=name, instead="computing")
+        watch_host(self.metrics, self.side.off)
         self.report_ready()
 
     def on_abort(self, rid: str) -> None:
@@ -98,6 +100,9 @@ class ColocatedWorker(WorkerBase):
 
     def stats(self) -> dict:
         return self.side.stats({"tokens_computed": self.engine.num_tokens_computed})
+
+    def metric_readings(self) -> list:
+        return side_readings(self.side)
 
     def close(self) -> None:
         self.side.abort_all(self._end)

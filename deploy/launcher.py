@@ -80,11 +80,17 @@ class Cluster:
         devices: devices assigned round-robin to workers (``cpu``, ``cuda:0``, ...).
         log_dir: free logs and process logs; a temporary directory when None.
         threads: torch threads per worker.
+        metrics_port: the router serves the deployment's metrics over HTTP on this port
+            of ``metrics_host`` (0: a free port; ``metrics_url`` says which); None: not.
+
+    At ``stop`` the deployment's final metrics are written to ``<log_dir>/metrics.prom``
+    (Prometheus text format), next to the free logs they agree with.
     """
 
     def __init__(self, config: ServeConfig, mode: str = "disagg", num_prefill: int = 1,
                  num_decode: int = 1, devices: list[str] | None = None,
-                 log_dir: str | None = None, threads: int = 1) -> None:
+                 log_dir: str | None = None, threads: int = 1,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         if mode not in ("disagg", "colocated"):
             raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
         if num_decode < 1 or (mode == "disagg" and num_prefill < 1):
@@ -98,6 +104,8 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.sock_dir = Path(tempfile.mkdtemp(prefix="pdkv-sock-"))
         self.threads = threads
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_url = ""
         self.router_addr = self._address("router")
         self.procs = self._plan(num_prefill, num_decode)
         self.client: Client | None = None
@@ -114,8 +122,10 @@ class Cluster:
     def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
         base = [sys.executable, "-m", "deploy.cli"]
         cfg_json = json.dumps(self.config.to_dict())
+        metrics = [] if self.metrics_port is None else [
+            "--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host]
         procs = [Proc("router", "router", [*base, "router", "--bind", self.router_addr,
-                                           "--config-json", cfg_json],
+                                           "--config-json", cfg_json, *metrics],
                       self.log_dir / "router.log")]
         roles = ([("prefill", f"prefill{i}") for i in range(num_prefill)]
                  + [("decode", f"decode{i}") for i in range(num_decode)]
@@ -153,9 +163,10 @@ class Cluster:
         while time.monotonic() < deadline:
             self.check()
             try:
-                workers = self.client.status(0.5).workers
+                status = self.client.status(0.5)
             except TimeoutError:
                 continue
+            workers, self.metrics_url = status.workers, status.metrics_url
             ready = {n for n, w in workers.items() if w["ready"]}
             if want <= ready:
                 logger.info("launcher: %d workers ready", len(want))
@@ -182,7 +193,9 @@ class Cluster:
             alive = all(p.popen and p.popen.poll() is None for p in self.procs)
             if alive:
                 try:
-                    self.final_stats = self.client.shutdown(timeout_s)
+                    bye = self.client.shutdown_bye(timeout_s)
+                    self.final_stats = bye.stats
+                    self._write_metrics(bye.metrics)
                 except TimeoutError:
                     logger.warning("launcher: router did not confirm shutdown")
             else:
@@ -192,6 +205,13 @@ class Cluster:
         self._reap(timeout_s)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
         return self.final_stats
+
+    def _write_metrics(self, data: bytes) -> None:
+        if not data:
+            return
+        from common.metrics import render_snapshot
+
+        (self.log_dir / "metrics.prom").write_bytes(render_snapshot(data)[0])
 
     def _terminate_all(self, sig: int) -> None:
         for p in self.procs:

@@ -41,7 +41,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 def run_router(args: argparse.Namespace) -> int:
     _setup(args)
     from deploy.router import serve_router
-    return serve_router(args.bind, _config(args))
+    return serve_router(args.bind, _config(args), args.metrics_host, args.metrics_port)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ from common.node import (
     Load,
     Malformed,
     Message,
+    MetricsQuery,
+    MetricsReport,
+    MetricsSnapshot,
     Ping,
     Pong,
     Prefilled,
@@ -53,11 +56,12 @@ from common.node import (
 )
 from common.request import BadRequest, SamplingParams, validate
 from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
+from deploy.router_metrics import RouterMetrics
 from deploy.text_route import TextRoute, encode_prompt
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
-_WORKER_MESSAGES = (Ready, Load, Stats, Tokens, Done, Prefilled, Error)
+_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled, Error)
 """Accepted only from a peer that registered as a worker."""
 
 
@@ -85,7 +89,8 @@ class Route:
 class Router:
     """The router's state and message handlers; ``serve`` runs its loop."""
 
-    def __init__(self, address: str, config: ServeConfig) -> None:
+    def __init__(self, address: str, config: ServeConfig, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> None:
         self.config = config
         self.mcfg = config.model_config()
         self._tokenizer: Tokenizer | None = None  # built at the first text request
@@ -105,7 +110,11 @@ class Router:
             Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
             Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
             Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
-            Error: self._on_error, Malformed: self._on_malformed}
+            Error: self._on_error, Malformed: self._on_malformed,
+            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query}
+        self.metrics = RouterMetrics(lambda: len(self.routes))
+        if metrics_port is not None:
+            self.metrics.serve_http(metrics_host, metrics_port)
 
     # -- loop ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -118,6 +127,7 @@ class Router:
                     item = self.hub.recv(0)
                 self._tick(time.monotonic())
         finally:
+            self.metrics.close()
             self.hub.close()
             self.ctx.term()
 
@@ -174,9 +184,20 @@ class Router:
     def _on_stats(self, peer: bytes, msg: Stats) -> None:
         self.workers[self.by_peer[peer]].stats = msg.stats
 
+    def _on_metrics_report(self, peer: bytes, msg: MetricsReport) -> None:
+        w = self.workers[self.by_peer[peer]]   # the registered name, not the message's
+        if w.lost:
+            return  # a late report must not bring a lost worker's series back
+        if not self.metrics.report(w.name, w.role, msg.families, msg.final):
+            self.errors["bad_field"] += 1
+
+    def _on_metrics_query(self, peer: bytes, msg: MetricsQuery) -> None:
+        self.hub.send(peer, MetricsSnapshot(self.metrics.snapshot()))
+
     def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
         route = self.routes.get(msg.rid)
         if route is not None:
+            self.metrics.tokens(msg.rid, len(msg.ids))
             if msg.t_kv_wall:
                 route.t_kv_wall = msg.t_kv_wall
                 msg = dataclasses.replace(msg, t_kv_wall=0.0)
@@ -262,6 +283,7 @@ class Router:
         route = Route(rid, client, decode.name, prefill.name if prefill else "", len(prompt),
                       row_len, time.monotonic(), text=text)
         self.routes[rid] = route
+        self.metrics.submitted(rid, route.t_submit)
         eager = admits_at_once(decode, row_len, self.config)
         decode.assigned += row_len
         decode.routed += 1
@@ -290,7 +312,7 @@ class Router:
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
                      for w in self.workers.values()},
             in_flight=len(self.routes), config=self.config.to_dict(),
-            errors=dict(self.errors)))
+            errors=dict(self.errors), metrics_url=self.metrics.url))
 
     def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
         logger.info("router: shutdown requested")
@@ -320,7 +342,9 @@ class Router:
             return
         if route.text is not None and (tail := route.text.finish()):
             self.hub.send(route.client, Tokens(route.rid, [], text=tail))  # held-back text
-        self.hub.send(route.client, self._final(route, done, route.prefill_info))
+        final = self._final(route, done, route.prefill_info)
+        self.hub.send(route.client, final)
+        self.metrics.finished(route.rid, final.reason)
         del self.routes[route.rid]
 
     @staticmethod
@@ -355,12 +379,14 @@ class Router:
         self._release(route.decode, route.row_len if route.decode_done is None else 0)
         self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
         self.hub.send(route.client, Done(route.rid, reason, error=error))
+        self.metrics.finished(route.rid, reason)
         del self.routes[route.rid]
 
     def _lose(self, w: WorkerInfo, why: str) -> None:
         if w.lost:
             return
         w.lost = True
+        self.metrics.lost(w.name, w.role)
         logger.error("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
         for route in list(self.routes.values()):
             if w.name in (route.decode, route.prefill) and route.decode_done is None:
@@ -389,12 +415,15 @@ class Router:
         waited = time.monotonic() - self.t_shutdown
         if all(w.stats is not None for w in live) or waited > self.config.lease_s:
             self.hub.send(self.shutdown_by, Bye({
-                w.name: {"role": w.role, **(w.stats or {})} for w in self.workers.values()}))
+                w.name: {"role": w.role, **(w.stats or {})} for w in self.workers.values()},
+                metrics=self.metrics.snapshot()))
             return True
         return False
 
 
-def serve_router(address: str, config: ServeConfig) -> int:
-    """Body of ``pdkv router``: serve until a client asks for shutdown."""
-    Router(address, config).serve()
+def serve_router(address: str, config: ServeConfig, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> int:
+    """Body of ``pdkv router``: serve until a client asks for shutdown; with
+    ``metrics_port``, serve the deployment's metrics at ``http://host:port/metrics``."""
+    Router(address, config, metrics_host, metrics_port).serve()
     return 0

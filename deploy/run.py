@@ -94,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     spec = workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
-                      threads=args.threads)
+                      threads=args.threads, metrics_port=args.metrics_port,
+                      metrics_host=args.metrics_host)
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
               else f"{args.decode} colocated")
     try:

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from common.codec import unpack_ids
 from common.host import close_offloader, host_salt, make_offloader
 from common.kv import ceil_div
+from common.metrics import host_readings, watch_host
 from common.node import Load, Prefilled, Req, WorkerBase
 from common.request import ReqState, SamplingParams
 from prefill_node.engine import PrefillEngine, PrefillTask
 from prefill_node.prefix_reuse import PrefixReuse
-from transport import EventKind, KvSender, TransportConfig
+from transport import EventKind, KvSender, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
 _FORGET = 4096  # aborted-before-announce rids remembered
@@ -90,6 +91,7 @@ class PrefillWorker(WorkerBase):
         self.windows: list[tuple[float, float]] = []
         self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0,
                        "prefix_load_timeouts": 0}
+        watch_host(self.metrics, self.off)
         self.report_ready(kv_advertise or self.sender.address)
 
     # -- control -------------------------------------------------------------------------
@@ -273,6 +275,13 @@ class PrefillWorker(WorkerBase):
                 **({} if self.reuse is None else {
                     "prefix_hit_pages": self.reuse.num_hit_pages,
                     "offloaded_pages": self.off.num_offloaded_pages})}
+
+    def metric_readings(self) -> list:
+        page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
+        out = [*transport_readings(self.sender, "sent"), *host_readings(self.off, page_bytes)]
+        if self.reuse is not None:
+            out.append(("pdkv_prefix_hit_pages_total", {}, self.reuse.num_hit_pages))
+        return out
 
     def close(self) -> None:
         for req in list(self.reqs.values()):

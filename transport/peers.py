@@ -35,6 +35,12 @@ class Peer:
     def name(self) -> str:
         return f"{self.hello.node}[tp{self.hello.tp_rank}/{self.hello.tp_size}]"
 
+    @property
+    def label(self) -> str:
+        """The peer's node name, with its rank when its group has several (metrics)."""
+        h = self.hello
+        return h.node if h.tp_size == 1 else f"{h.node}/tp{h.tp_rank}"
+
     def expired(self, now: float) -> bool:
         return now - self.last_seen > self.hello.lease_ms / 1000.0
 
@@ -95,6 +101,7 @@ class PeerTable:
             if peer.lost:
                 continue
             if peer.expired(now):
+                self.stats["lease_expiries"] += 1  # the caller marks it lost in this poll
                 expired.append((peer, f"silent for {now - peer.last_seen:.2f}s "
                                       f"(lease {peer.hello.lease_ms} ms)"))
             elif now >= peer.next_heartbeat:

@@ -91,6 +91,11 @@ class KvReceiver:
     def hello(self) -> Hello:
         return self.link.hello
 
+    def data_paths(self) -> dict[str, str]:
+        """Data path of each live prefill peer (``shm``, ``tcp``, ``ipc``), by peer label."""
+        return {p.label: self.link.paths.get(p.key, "?") for p in self.peers.values()
+                if not p.lost}
+
     # -- worker API ----------------------------------------------------------------------
     def connect(self, addresses: list[str] | str) -> int:
         """Connect to every rank of one prefill TP group and handshake with each.
@@ -237,6 +242,9 @@ class KvReceiver:
                                     "which did not map our pool", msg.rid)
             inc.count_blocks(inc.leg_for_blocks(peer.key, msg), msg.num_blocks)
             self.stats["shm_writes_recv"] += 1
+            lay = self.cache.layout   # this rank's heads: the page bytes the copy filled
+            self.stats["bytes_recv_shm"] += (msg.num_blocks * lay.page_bytes(
+                self.cache.page_size) * (msg.head_end - msg.head_start) // lay.num_kv_heads)
         elif isinstance(msg, Accepted):
             inc.accept(peer.key)
         elif isinstance(msg, Done):

@@ -41,6 +41,7 @@ class ReceiverLink:
         self.config, self.hello, self.peers, self.stats = config, hello, peers, stats
         self._ctx = ctx
         self.sockets: dict[bytes, DealerSocket] = {}
+        self.paths: dict[bytes, str] = {}   # peer -> data path: shm, tcp or ipc
         self.groups: list[list[bytes]] = []
         self._poller = zmq.Poller()
 
@@ -81,6 +82,7 @@ class ReceiverLink:
             raise
         now = time.monotonic()
         self.sockets[sock.identity] = sock
+        self.paths[sock.identity] = "shm" if theirs.shm_pool else address.split(":", 1)[0]
         peer = self.peers.add(sock.identity, theirs, now, now + cfg.heartbeat_s)
         self._poller.register(sock.sock, zmq.POLLIN)
         logger.info("%s: connected to %s at %s (data path %s)", cfg.node, peer.name,

@@ -85,6 +85,12 @@ class KvSender:
     def hello(self) -> Hello:
         return self.link.hello
 
+    def data_paths(self) -> dict[str, str]:
+        """Data path of each live decode peer (``shm``, ``tcp``, ``ipc``), by peer label:
+        a same-host decode whose pool could not be mapped shows frames here."""
+        return {p.label: self.link.data_path(p.key) for p in self.peers.values()
+                if not p.lost}
+
     # -- worker API ----------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> list[Event]:
         """Handle what arrived (waiting up to ``timeout_s`` for the first message), send

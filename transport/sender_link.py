@@ -47,6 +47,7 @@ class SenderLink:
         self.frames: DataChannel = ZmqChannel(self.router, pool, config.max_frame_bytes,
                                               stats)
         self.shm: dict[bytes, shm.ShmChannel] = {}   # decode peers whose pool is mapped
+        self.paths: dict[bytes, str] = {}   # peer -> data path at its handshake (metrics)
         self._last_sent: dict[bytes, float] = {}     # peer -> monotonic time of our last send
 
     # -- polling -------------------------------------------------------------------------
@@ -105,6 +106,7 @@ class SenderLink:
         channel = self._map_shm(theirs)
         if channel is not None:
             self.shm[key] = channel
+        self.paths[key] = "shm" if channel is not None else self.address.split(":", 1)[0]
         self.send(key, dataclasses.replace(self.hello, shm_pool=channel and theirs.shm_pool
                                            or ""))
         now = time.monotonic()
@@ -142,6 +144,11 @@ class SenderLink:
     def sent_data(self, key: bytes) -> None:
         """A data channel reached ``key``: that renews our claim on its shared pool."""
         self._last_sent[key] = time.monotonic()
+
+    def data_path(self, key: bytes) -> str:
+        """``shm`` when the peer's pool was mapped at its handshake, else the frames'
+        scheme (tcp, ipc): a same-host peer whose pool could not be mapped shows here."""
+        return self.paths.get(key, "?")
 
     def drop_peer(self, key: bytes) -> None:
         """Unmap the peer's pool, if mapped (the peer is gone or reconnecting)."""

@@ -2,7 +2,7 @@
 catalogue of every pdkv metric, the wire form the router gathers, the exposition."""
 
 from common.metrics.catalogue import METRICS, MetricDef, family_of, metric
-from common.metrics.exposition import MetricsServer, render
+from common.metrics.exposition import MetricsServer, render, render_snapshot
 from common.metrics.gather import Gatherer
 from common.metrics.kv_collector import KvCollector
 from common.metrics.node import NodeMetrics
@@ -11,4 +11,4 @@ from common.metrics.wire import WireError, from_wire, loads, merge, pack, to_wir
 
 __all__ = ["METRICS", "Gatherer", "KvCollector", "MetricDef", "MetricsServer", "NodeMetrics",
            "WireError", "family_of", "from_wire", "host_readings", "loads", "merge", "metric",
-           "pack", "render", "spec_readings", "to_wire", "watch_host"]
+           "pack", "render", "render_snapshot", "spec_readings", "to_wire", "watch_host"]

@@ -43,6 +43,19 @@ def render(collect: Collect, accept: str | None = None) -> tuple[bytes, str]:
     return encoder(_View(collect)), content_type
 
 
+def render_snapshot(data: bytes, accept: str | None = None) -> tuple[bytes, str]:
+    """(body, content type) of a ``MetricsSnapshot``'s families (the router's view of the
+    deployment): what an HTTP front door answers on ``GET /metrics``.
+
+    Raises:
+        WireError: ``data`` is not a valid snapshot.
+    """
+    from common.metrics.wire import from_wire, loads
+
+    families = from_wire(loads(data))
+    return render(lambda: families, accept)
+
+
 class MetricsServer:
     """HTTP ``GET /metrics`` on ``host:port`` (port 0: any free port) in daemon threads.
 

@@ -23,6 +23,9 @@ from common.node.control import (
     Load,
     Malformed,
     Message,
+    MetricsQuery,
+    MetricsReport,
+    MetricsSnapshot,
     Ping,
     Pong,
     Prefilled,
@@ -44,6 +47,7 @@ from common.node.worker_base import RouterLost, WorkerBase, setup_process
 
 __all__ = ["CODEC", "INSECURE", "MAX_CONTROL_BYTES", "Abort", "Bye", "Done", "Error", "Hub",
            "InsecureBind", "Keys", "KeysError", "Link", "Load", "Malformed", "Message",
+           "MetricsQuery", "MetricsReport", "MetricsSnapshot",
            "PlaneAuth", "Ping", "Pong", "Prefilled", "Ready", "Register", "Registered",
            "Req", "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats", "Status",
            "StatusReport", "Submit", "Tokens", "WorkerBase", "check_bind", "control_client",

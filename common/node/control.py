@@ -15,6 +15,7 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``Ready`` | worker -> router | built: the router may route to it now |
 | ``Load`` | worker -> router | every ``heartbeat_s``; doubles as the worker's heartbeat |
 | ``Stats`` | worker -> router | at shutdown: the worker's final counters |
+| ``MetricsReport`` | worker -> router | every ``heartbeat_s`` and as it closes: its metrics |
 | ``Submit`` | client -> router | a new request |
 | ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
 | ``Tokens`` | worker -> router -> client | tokens as they are generated |
@@ -23,6 +24,7 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
 | ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
 | ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
+| ``MetricsQuery`` / ``MetricsSnapshot`` | client -> router -> client | the deployment's metrics |
 | ``Ping`` / ``Pong`` | router -> worker, client -> router -> client | liveness |
 | ``Shutdown`` | client -> router -> workers | stop everything cleanly |
 | ``Bye`` | router -> client | every worker's final ``Stats``, after a ``Shutdown`` |
@@ -84,6 +86,16 @@ class Stats:
 
     name: str
     stats: dict[str, Scalar]
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """The worker's metric families (``common.metrics.pack``), every ``heartbeat_s`` and
+    once more as it closes (``final``); the router exposes them labelled by worker."""
+
+    name: str
+    families: bytes
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,21 @@ class StatusReport:
     in_flight: int
     config: dict[str, Scalar]
     errors: dict[str, int] = field(default_factory=dict)
+    metrics_url: str = ""
+    """Where the router serves ``/metrics`` over HTTP (empty: it does not)."""
+
+
+@dataclass(frozen=True)
+class MetricsQuery:
+    """Ask the router for a ``MetricsSnapshot``."""
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The deployment's metrics as the router exposes them (``common.metrics.pack``):
+    the router's own families and every worker's last report, labelled by worker."""
+
+    families: bytes
 
 
 @dataclass(frozen=True)
@@ -210,6 +237,9 @@ class Bye:
     lease passed): stats by worker name, each with its ``role``."""
 
     stats: dict[str, dict[str, Scalar]]
+    metrics: bytes = b""
+    """The deployment's final metrics (``MetricsSnapshot.families``), after every worker's
+    final report."""
 
 
 # -- several directions -------------------------------------------------------------------
@@ -260,6 +290,7 @@ class Malformed:
     rid: str = ""
 
 
-Message = (Register | Ready | Load | Stats | Prefilled | Tokens | Done | Registered | Req
-           | Submit | Status | StatusReport | Bye | Abort | Error | Ping | Pong | Shutdown)
+Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | Tokens | Done
+           | Registered | Req | Submit | Status | StatusReport | MetricsQuery
+           | MetricsSnapshot | Bye | Abort | Error | Ping | Pong | Shutdown)
 CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

@@ -24,6 +24,7 @@ import zmq
 
 from common.config import ServeConfig
 from common.kv import KvCache
+from common.metrics import NodeMetrics, pack
 from common.model import Model, ModelRunner
 from common.node.control import (
     Abort,
@@ -31,13 +32,16 @@ from common.node.control import (
     Load,
     Malformed,
     Message,
+    MetricsReport,
     Ping,
+    Prefilled,
     Ready,
     Register,
     Registered,
     Req,
     Shutdown,
     Stats,
+    Tokens,
 )
 from common.node.link import Link, wait_any
 
@@ -73,6 +77,16 @@ class WorkerBase(ABC):
         self.ctx = zmq.Context()
         self.link = Link(self.ctx, router, name)
         self.stopping = False
+        self.metrics = NodeMetrics(self.role)
+        """This process's metrics; parts that count take their metric objects from it."""
+        # only the worker that generates (computes the prompt) counts tokens (prompt)
+        self._generated = None if self.role == "prefill" else self.metrics.counter(
+            "pdkv_generation_tokens_total")
+        self._prompt = None if self.role == "decode" else self.metrics.counter(
+            "pdkv_prompt_tokens_total")
+        self._last_load: Load | None = None
+        self.metrics.read(self._load_readings)
+        self.metrics.read(self.metric_readings)
         self.config = self._register(register_timeout_s)
         self._last_router = self._next_load = time.monotonic()
         self.cache: KvCache | None = None
@@ -108,6 +122,8 @@ class WorkerBase(ABC):
                         log_path=log, node=self.name, max_rows=cfg.max_rows,
                         shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
+        self.metrics.watch_pools("device", cache.pool_stats)
+        self.metrics.set_info(**build_info(self.config, cache))
         return model, cache, ModelRunner(model, cache, draft)
 
     def report_ready(self, kv_addr: str = "") -> None:
@@ -142,6 +158,8 @@ class WorkerBase(ABC):
 
     def _dispatch(self, msg: Message | Malformed) -> None:
         if isinstance(msg, Req):
+            if self._prompt is not None:
+                self._prompt.inc(len(msg.prompt) // 4)   # int32 ids
             self.on_req(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.rid)
@@ -161,13 +179,34 @@ class WorkerBase(ABC):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
-            self.link.send(self.load())
+            self._last_load = self.load()
+            self.link.send(self._last_load)
+            self.send_metrics()
 
     def send(self, msg: Message) -> None:
+        if isinstance(msg, Tokens) and self._generated is not None:
+            self._generated.inc(len(msg.ids))
+        elif isinstance(msg, Prefilled) and msg.reason == "sent" and self.cache is not None:
+            page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
+            self.metrics.counter("pdkv_transfer_pages_total").labels(direction="sent").inc(
+                msg.kv_bytes // page_bytes)
+            self.metrics.histogram("pdkv_transfer_seconds").labels(direction="sent").observe(
+                msg.xfer_s)
         self.link.send(msg)
 
     def send_stats(self) -> None:
         self.link.send(Stats(self.name, self.stats()))
+
+    def send_metrics(self, final: bool = False) -> None:
+        """Report this process's metrics to the router (every heartbeat, and last at close)."""
+        try:
+            if final:  # the queues as they are at the end, not at the last heartbeat
+                self._last_load = self.load()
+            families = pack(self.metrics.collect())
+        except Exception:  # metrics never take a worker down
+            logger.exception("%s: collecting metrics failed", self.name)
+            return
+        self.link.send(MetricsReport(self.name, families, final))
 
     # -- subclass hooks ------------------------------------------------------------------
     @abstractmethod
@@ -194,13 +233,44 @@ class WorkerBase(ABC):
         """Final counters (``Stats``): names to numbers."""
         return {}
 
+    def _load_readings(self) -> list[tuple[str, dict[str, str], float]]:
+        load = self._last_load
+        if load is None:
+            return []
+        queue = "prefill" if self.role == "prefill" else "admission"
+        return [("pdkv_running_requests", {}, load.running),
+                ("pdkv_queue_requests", {"queue": queue}, load.queued)]
+
+    def metric_readings(self) -> list[tuple[str, dict[str, str], float]]:
+        """Counters and gauges this worker keeps elsewhere (transport, host tier), as
+        ``(catalogue name, labels, value)``, read at every metrics report. Cheap reads
+        only: it runs every ``heartbeat_s``."""
+        return []
+
     def close(self) -> None:
         """Free everything, close the pool's free log, say goodbye."""
         try:
+            self.send_metrics(final=True)
             self.send_stats()
         finally:
             self.link.close()
             self.ctx.term()
+
+
+def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:
+    """The labels of ``pdkv_build_info`` for a worker built from ``config``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("pdkv")
+    except PackageNotFoundError:
+        ver = "unknown"
+    lay = cache.layout
+    return {"version": ver, "model": config.model, "dtype": str(lay.dtype),
+            "page_size": str(cache.page_size), "transport": config.transport,
+            "spec_k": str(config.spec_k),
+            "layout": f"{lay.num_layers}+{lay.num_draft_layers}L/{lay.num_kv_heads}h/"
+                      f"{lay.head_dim}d"}
 
 
 def setup_process(threads: int) -> None:

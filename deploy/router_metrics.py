@@ -1,0 +1,86 @@
+"""The router's metrics: its own serving figures and the deployment's gathered view.
+
+The router measures what only it sees (requests in flight, TTFT, TPOT and end-to-end
+latency, finished requests by reason) and keeps every worker's last ``MetricsReport``
+(``common.metrics.Gatherer``). The union is what ``--metrics-port`` serves, what a
+client's ``MetricsQuery`` is answered with (``pdkv top``, the HTTP front door) and what
+``Bye`` carries at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from common.metrics import Gatherer, MetricsServer, NodeMetrics, WireError, loads, pack
+
+logger = logging.getLogger(__name__)
+
+
+class RouterMetrics:
+    """Counting at the router's request transitions; gathering the workers' reports."""
+
+    def __init__(self, in_flight) -> None:
+        self.node = NodeMetrics("router")
+        self.gatherer = Gatherer(self.node)
+        self.node.gauge("pdkv_requests_in_flight").set_function(in_flight)
+        self._requests = self.node.counter("pdkv_requests_total")
+        self._ttft = self.node.histogram("pdkv_ttft_seconds")
+        self._tpot = self.node.histogram("pdkv_tpot_seconds")
+        self._e2e = self.node.histogram("pdkv_e2e_latency_seconds")
+        self._timing: dict[str, list[float]] = {}   # rid -> [t_submit, t_first, t_last, n]
+        self.server: MetricsServer | None = None
+
+    # -- requests ------------------------------------------------------------------------
+    def submitted(self, rid: str, t: float) -> None:
+        self._timing[rid] = [t, 0.0, 0.0, 0]
+
+    def tokens(self, rid: str, n: int) -> None:
+        timing = self._timing.get(rid)
+        if timing is None or not n:
+            return
+        now = time.monotonic()
+        if not timing[3]:
+            timing[1] = now
+            self._ttft.observe(now - timing[0])
+        timing[2], timing[3] = now, timing[3] + n
+
+    def finished(self, rid: str, reason: str) -> None:
+        timing = self._timing.pop(rid, None)
+        self._requests.labels(reason=reason).inc()
+        if timing is None:
+            return
+        t_submit, t_first, t_last, n = timing
+        self._e2e.observe(time.monotonic() - t_submit)
+        if n > 1:
+            self._tpot.observe((t_last - t_first) / (n - 1))
+
+    # -- workers -------------------------------------------------------------------------
+    def report(self, worker: str, role: str, families: bytes, final: bool) -> bool:
+        """Keep a worker's report; False (logged) if it was malformed."""
+        try:
+            self.gatherer.report(worker, role, loads(families), final)
+            return True
+        except WireError as exc:
+            logger.warning("router: bad metrics report from %s: %s", worker, exc)
+            return False
+
+    def lost(self, worker: str, role: str) -> None:
+        self.gatherer.lost(worker, role)
+
+    def snapshot(self) -> bytes:
+        return pack(self.gatherer.collect())
+
+    # -- exposition ----------------------------------------------------------------------
+    def serve_http(self, host: str, port: int) -> str:
+        self.server = MetricsServer(self.gatherer.collect, host, port)
+        return self.server.url
+
+    @property
+    def url(self) -> str:
+        return self.server.url if self.server else ""
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -1,0 +1,40 @@
+"""Body of ``pdkv top``: pick the source (router or URL) and draw until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from common.metrics import from_wire, loads
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        from deploy.top import Scrape, http_source, run
+    except ImportError as exc:
+        print(f"pdkv top needs rich ({exc}): pip install 'pdkv[top]'", file=sys.stderr)
+        return 2
+    if args.interval <= 0 or args.timeout <= 0:
+        print("pdkv top: --interval and --timeout must be > 0", file=sys.stderr)
+        return 2
+    if args.url:
+        return run(http_source(args.url, args.timeout), args.url, args.interval, args.once)
+    from deploy.client import Client
+
+    client = Client(args.router, "pdkv-top")
+    try:
+        return run(_router_source(client, args.timeout, Scrape), f"router {args.router}",
+                   args.interval, args.once)
+    except TimeoutError as exc:  # only --once lets a failed read through
+        print(f"pdkv top: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
+def _router_source(client, timeout_s: float, scrape_cls) -> Callable:
+    def read():
+        return scrape_cls.of(from_wire(loads(client.metrics(timeout_s))), time.monotonic())
+    return read
