@@ -100,6 +100,8 @@ def main(args: argparse.Namespace) -> int:
               else f"{args.decode} colocated")
     try:
         cluster.start()
+        if cluster.metrics_url:
+            print(f"pdkv run: metrics at {cluster.metrics_url}", file=sys.stderr)
         if progress:
             sys.stderr.write(f"pdkv run: {layout} ready, sending {spec.requests} requests\n")
         results, stats, wall = serve_workload(cluster, spec, progress)

@@ -142,9 +142,14 @@ def run(read: Callable[[], Scrape], source: str, interval_s: float = 1.0,
             console = Console(width=200)
     before: Scrape | None = None
     if once:  # two reads an interval apart, so that the frame has rates
-        before = read()
-        time.sleep(interval_s)
-        console.print(render(view(read(), before, source)))
+        try:
+            before = read()
+            time.sleep(interval_s)
+            now = read()
+        except Exception as exc:  # a CLI answer, not a traceback
+            console.print(f"pdkv top: cannot read {source}: {exc}", style="bold red")
+            return 1
+        console.print(render(view(now, before, source)))
         return 0
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:

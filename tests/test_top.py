@@ -111,3 +111,28 @@ def test_quantile_matches_prometheus_histogram_quantile():
     assert quantile(1.0, buckets) == pytest.approx(0.4)
     assert quantile(0.5, []) is None
     assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
+def test_once_draws_a_frame_with_rates_and_a_failed_read_is_an_answer_not_a_traceback():
+    from deploy.top import run
+
+    d = Deployment()
+    scrapes = iter([d.scrape(t=1.0), None])
+
+    def read():
+        snap = next(scrapes)
+        if snap is None:   # the second read: pages moved and tokens came meanwhile
+            d.decode.counter("pdkv_generation_tokens_total").inc(50)
+            return d.scrape(t=1.5)
+        return snap
+
+    console = Console(record=True, width=220, color_system=None)
+    assert run(read, "test", interval_s=0.01, once=True, console=console) == 0
+    assert _line(console.export_text(), "decode0")[15] == "100"   # 50 tokens in 0.5 s
+
+    def broken():
+        raise OSError("connection refused")
+
+    console = Console(record=True, width=220, color_system=None)
+    assert run(broken, "http://x/metrics", once=True, console=console) == 1
+    assert "cannot read http://x/metrics: connection refused" in console.export_text()
