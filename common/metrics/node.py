@@ -26,7 +26,8 @@ Reading = tuple[str, dict[str, str], float]
 
 # Which catalogue rows a process of each role defines.
 _ROLE_SCOPES = {"prefill": {"worker", "prefill"}, "decode": {"worker", "decode"},
-                "colocated": {"worker", "prefill", "decode"}, "router": {"router"}}
+                "colocated": {"worker", "prefill", "decode"}, "router": {"router"},
+                "worker": {"worker"}}   # a WorkerBase subclass that names no role
 
 
 class NodeMetrics:
