@@ -25,7 +25,8 @@ class PoolCounters:
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], list[int]] = {}
 
-    def record(self, op: str, num_pages: int, reason: str = "") -> None:
+    def record(self, op: str, num_pages: int, reason: object = "") -> None:
+        reason = getattr(reason, "value", reason)   # a str enum counts under its value
         entry = self._counts.get((op, reason))
         if entry is None:
             entry = self._counts[(op, reason)] = [0, 0]
