@@ -199,9 +199,12 @@ class WorkerBase(ABC):
 
     def send_metrics(self, final: bool = False) -> None:
         """Report this process's metrics to the router (every heartbeat, and last at close)."""
-        try:
-            if final:  # the queues as they are at the end, not at the last heartbeat
+        if final:  # the queues as they are at the end, not at the last heartbeat
+            try:
                 self._last_load = self.load()
+            except Exception:  # parts already closed: keep the last heartbeat's
+                logger.debug("%s: no load at close", self.name, exc_info=True)
+        try:
             families = pack(self.metrics.collect())
         except Exception:  # metrics never take a worker down
             logger.exception("%s: collecting metrics failed", self.name)
