@@ -2,7 +2,8 @@
 
 Wings, each with its own face: ``common.kv`` (memory core), ``common.freelog`` (recording
 and replay), ``common.model``, ``common.host`` (host tier), ``common.node`` (worker
-process shell and control plane); ``common.request`` and ``common.config`` at the top.
+process shell and control plane), ``common.parallel`` (tensor-parallel groups);
+``common.request`` and ``common.config`` at the top.
 """
 
 from common.kv import KvCache, KvLayout, KvRecord, OutOfPages, RangeError, ceil_align

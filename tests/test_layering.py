@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "deploy": {"common", "transport", "prefill_node", "decode_node", "deploy"},
     "benchmarks": set(PACKAGES),
 }
-WINGS = {"kv", "freelog", "model", "host", "node", "metrics"}
+WINGS = {"kv", "freelog", "model", "host", "node", "metrics", "parallel"}
 
 
 def _imports(path: Path):

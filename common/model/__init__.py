@@ -13,8 +13,10 @@ from common.model.sampling import sample
 from common.model.seeded import seeded_tensors
 from common.model.text import Detokenizer, StopStrings
 from common.model.tokenizer import Tokenizer
+from common.model.tp import TpModel, shard_config
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
-           "sample", "seeded_tensors", "write_builtin_tokenizer", "write_checkpoint"]
+           "sample", "seeded_tensors", "shard_config", "TpModel", "write_builtin_tokenizer",
+           "write_checkpoint"]

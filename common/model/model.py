@@ -106,6 +106,11 @@ class Model:
         """h: [num_tokens, hidden] -> [num_tokens, vocab] (final norm, lm_head)."""
         return F.linear(rms_norm(h, self.final_norm, self.config.rms_eps), self.lm_head)
 
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """The most likely token of each row of ``logits`` ([batch, vocab]); a
+        tensor-parallel shard (``common.model.tp``) picks on rank 0 and shares the ids."""
+        return logits.argmax(dim=-1).tolist()
+
     @torch.inference_mode()
     def forward_dense(self, token_ids: list[int] | torch.Tensor, *, draft: bool = False
                       ) -> torch.Tensor:

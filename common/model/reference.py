@@ -60,7 +60,7 @@ def _generate_one(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
         logits = runner.forward([BatchItem(kv, tokens, start)])
         cache.commit(kv, len(tokens))
         start += len(tokens)
-        out.append(int(logits[0].argmax()))
+        out.append(runner.model.greedy(logits)[0])
         tokens = out[-1:]
     cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="finished")
     cache.close_row(kv)
