@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving(sub)
     _add_keys(sub)
     _add_model(sub)
+    _add_cluster(sub)
     return parser
 
 
@@ -46,6 +47,12 @@ def _run_model_export(args: argparse.Namespace) -> int:
         return 2
     print(export_builtin(args.name, args.dir, args.dtype or "", layers=args.layers))
     return 0
+
+
+def _add_cluster(sub) -> None:
+    from deploy.cluster.probe import add_parser
+
+    add_parser(sub)
 
 
 def _add_keys(sub) -> None:
