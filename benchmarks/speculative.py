@@ -23,13 +23,12 @@ from dataclasses import replace
 import torch
 
 from common import KvCache
-from common.host import HostTier, Offloader
+from common.host import HostTier, Offloader, PrefixReuse
 from common.model import BatchItem, Model, ModelRunner, get_config
-from common.request import SamplingParams
-from decode_node.batch import DecodeBatch, DecodeSeq, StepFn, greedy_step
+from common.request import Request, SamplingParams
+from decode_node.batch import DecodeBatch, StepFn, greedy_step
 from decode_node.speculative import SpeculativeStep
-from prefill_node.engine import PrefillEngine, PrefillTask
-from prefill_node.prefix_reuse import PrefixReuse
+from prefill_node.engine import PrefillEngine
 
 
 def _median(xs: list[float]) -> float:
@@ -63,8 +62,8 @@ def _decode_once(model: Model, prompts: list[list[int]], gen: int, step: StepFn,
         if layout.num_draft_layers:
             runner.forward([BatchItem(kv, p, 0)], draft=True)
         cache.commit(kv, len(p))
-        seqs.append(DecodeSeq(f"r{i}", kv, SamplingParams(max_new_tokens=gen), len(p), [first],
-                              p))
+        seqs.append(Request(f"r{i}", p, SamplingParams(max_new_tokens=gen), kv=kv,
+                            output=[first], num_computed=len(p)))
         batch.add(seqs[-1])
     _sync(model)
     t0 = time.perf_counter()
@@ -106,13 +105,13 @@ def bench_ttft(model: Model, args: argparse.Namespace) -> dict:
     shared = _prompts(cfg, 1, args.prefix, seed=2)[0]
     first_turn = shared + _prompts(cfg, 1, args.suffix, seed=3)[0]
     _prefill(engine, reuse, "turn1", first_turn, use_reuse=False)
-    assert reuse.off.wait(timeout=60)
+    assert reuse.offloader.wait(timeout=60)
     cold, warm = [], []
     for i in range(args.repeat):
         follow = shared + _prompts(cfg, 1, args.suffix, seed=10 + i)[0]
         cold.append(_prefill(engine, reuse, f"cold{i}", follow, use_reuse=False, store=False))
         warm.append(_prefill(engine, reuse, f"warm{i}", follow, use_reuse=True, store=False))
-    reuse.off.close(timeout=60)
+    reuse.offloader.close(timeout=60)
     return {"prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk,
             "ttft_full_s": _median(cold), "ttft_prefix_reuse_s": _median(warm),
             "speedup": _median(cold) / _median(warm),
@@ -129,7 +128,7 @@ def _prefill(engine: PrefillEngine, reuse: PrefixReuse, rid: str, tokens: list[i
     kv = cache.open_row(rid)
     cache.extend(kv, len(tokens))
     start = reuse.load(kv, tokens, timeout=60) if use_reuse else 0
-    engine.add(PrefillTask(rid, tokens, SamplingParams(), kv, done=start))
+    engine.add(Request(rid, tokens, SamplingParams(), kv=kv, num_computed=start))
     while engine.has_work:
         engine.step()
     _sync(engine.runner.model)

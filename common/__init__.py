@@ -6,8 +6,8 @@ process shell and control plane), ``common.parallel`` (tensor-parallel groups);
 ``common.request`` and ``common.config`` at the top.
 """
 
-from common.kv import KvCache, KvLayout, KvRecord, OutOfPages, RangeError, ceil_align
+from common.kv import FreeReason, KvCache, KvLayout, KvRecord, OutOfPages, RangeError, ceil_align
 from common.request import BadRequest, ReqState, SamplingParams
 
-__all__ = ["BadRequest", "KvCache", "KvLayout", "KvRecord", "OutOfPages", "RangeError",
-           "ReqState", "SamplingParams", "ceil_align"]
+__all__ = ["BadRequest", "FreeReason", "KvCache", "KvLayout", "KvRecord", "OutOfPages",
+           "RangeError", "ReqState", "SamplingParams", "ceil_align"]

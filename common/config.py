@@ -91,7 +91,13 @@ class ServeConfig:
     lease_s: float = 10.0
     """A peer (worker, router or KV peer) silent this long is declared lost."""
     ready_timeout_s: float = 120.0
-    """Launcher: deadline for every process to report ready."""
+    """Startup deadline: the launcher waits this long for every process to report ready,
+    and the router for a registered worker to build its model (instead of the lease)."""
+    rejoin_s: float = 30.0
+    """A worker that lost its router ends the requests it held, keeps its model, pools
+    and host tier, and registers again for this long (a restarted router, or a router
+    that declared it lost while it was stopped); then it exits (status 3). 0: exit at
+    once."""
     request_timeout_s: float = 600.0
     """Router: a request with no result after this long fails with 'timeout'."""
     debug_integrity: bool = False
@@ -133,6 +139,8 @@ class ServeConfig:
         if not 0 < self.prefix_load_timeout_s < self.lease_s:
             raise ValueError(f"need 0 < prefix_load_timeout_s={self.prefix_load_timeout_s} "
                              f"< lease_s={self.lease_s}")
+        if self.rejoin_s < 0:
+            raise ValueError(f"rejoin_s={self.rejoin_s} must be >= 0 (0: exit at once)")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
 

@@ -11,16 +11,26 @@ Prefill uses QUEUED (no decode announced yet), PREFILLING and TRANSFERRING (last
 computed, waiting for the decode's acknowledgement). Decode uses QUEUED (no pool room),
 WAITING_KV (announced, pages arriving), DECODING and, with overcommit, RETRACTED (its
 committed KV is in the host tier and it holds no device row; resuming makes it DECODING
-again). Colocated uses QUEUED, PREFILLING, DECODING. The other step back: a prefix load
-from the host tier that timed out returns the request to QUEUED with its row freed (it
-is admitted again without reuse).
+again). Colocated uses QUEUED, PREFILLING, DECODING. A request is admitted (gets a row)
+while still QUEUED; a prefix load from the host tier that timed out there frees the row
+and leaves it QUEUED, to be admitted again without reuse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from common.host import HashChain
+    from common.kv import KvRecord
 
 
 class ReqState(IntEnum):
@@ -50,6 +60,24 @@ class ReqState(IntEnum):
     def is_retracted(self) -> bool:
         """Waiting in the host tier to resume; holds a host-tier reference, no row."""
         return self == ReqState.RETRACTED
+
+
+_NEXT: dict[ReqState, frozenset[ReqState]] = {
+    ReqState.QUEUED: frozenset({ReqState.WAITING_KV, ReqState.PREFILLING}),
+    ReqState.WAITING_KV: frozenset({ReqState.DECODING}),
+    ReqState.PREFILLING: frozenset({ReqState.TRANSFERRING, ReqState.DECODING}),
+    ReqState.TRANSFERRING: frozenset({ReqState.FINISHED}),
+    ReqState.DECODING: frozenset({ReqState.RETRACTED, ReqState.FINISHED}),
+    ReqState.RETRACTED: frozenset({ReqState.DECODING}),
+}
+"""The moves of a live request; besides these it may end (ABORTED, FAILED) at any stage."""
+
+
+def check_transition(old: ReqState, new: ReqState) -> None:
+    """Assert that a request may move from ``old`` to ``new`` (an internal invariant)."""
+    ok = not old.is_finished and (new in _NEXT.get(old, ()) or new in (
+        ReqState.ABORTED, ReqState.FAILED))
+    assert ok, f"request state {old.name} -> {new.name} is not a transition"
 
 
 class BadRequest(ValueError):
@@ -112,33 +140,158 @@ class SamplingParams:
         return d
 
 
-def validate(prompt: list[int], params: SamplingParams, *, vocab_size: int,
-             max_tokens: int, max_new_tokens_limit: int) -> None:
-    """Raise ``BadRequest`` naming the problem; ``max_tokens`` is the longest row
-    (prompt + generated tokens) any pool can hold."""
-    if not prompt:
+MAX_TEMPERATURE = 100.0
+"""Hotter than this is uniform noise in practice; refused."""
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples like greedy decoding (and divides logits by almost
+zero), so it is served as greedy, as other serving systems do."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def validate(prompt: Sequence[int] | np.ndarray, params: SamplingParams, *, vocab_size: int,
+             max_tokens: int, max_new_tokens_limit: int, max_position: int | None = None
+             ) -> SamplingParams:
+    """Raise ``BadRequest`` naming the problem and the allowed values; return the params
+    as they will be served (a temperature below ``GREEDY_BELOW`` is greedy).
+
+    Args:
+        max_tokens: the longest row (prompt + generated tokens) any pool can hold.
+        max_position: the model's context; prompt + max_new_tokens must fit in it.
+    """
+    if not len(prompt):
         raise BadRequest("empty prompt: send at least one token id")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
-        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})")
     n = params.max_new_tokens
-    if not isinstance(n, int) or not 1 <= n <= max_new_tokens_limit:
+    if not _is_int(n) or not 1 <= n <= max_new_tokens_limit:
         raise BadRequest(f"max_new_tokens={n!r}; allowed: integers in "
                          f"[1, {max_new_tokens_limit}]")
-    t = params.temperature
-    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise BadRequest(f"temperature={t!r}; allowed: a finite number >= 0 (0 = greedy)")
-    if not isinstance(params.stop_token, int) or not -1 <= params.stop_token < vocab_size:
-        raise BadRequest(f"stop_token={params.stop_token!r}; allowed: -1 (none) or "
-                         f"[0, {vocab_size})")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})")
-    if not isinstance(params.seed, int):
-        raise BadRequest(f"seed={params.seed!r} must be an integer")
-    if not isinstance(params.top_k, int) or params.top_k < -1:
-        raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1")
-    p = params.top_p
-    if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-        raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)")
+    if max_position is not None and len(prompt) + n > max_position:
+        raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
+                         f"model's context of {max_position} positions")
     if len(prompt) + n > max_tokens:
         raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
                          f"largest pool row ({max_tokens} tokens)")
+    ids = np.asarray(prompt)
+    if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+    t = params.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or \
+            not 0 <= t <= MAX_TEMPERATURE:
+        raise BadRequest(f"temperature={t!r}; allowed: 0 (greedy) or a number in "
+                         f"(0, {MAX_TEMPERATURE:g}]")
+    if not _is_int(params.stop_token) or not -1 <= params.stop_token < vocab_size:
+        raise BadRequest(f"stop_token={params.stop_token!r}; allowed: -1 (none) or "
+                         f"[0, {vocab_size})")
+    if any(not _is_int(t) or not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})")
+    if not _is_int(params.seed) or not 0 <= params.seed < 1 << 63:
+        raise BadRequest(f"seed={params.seed!r}; allowed: integers in [0, 2**63)")
+    if not _is_int(params.top_k) or params.top_k < -1:
+        raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1")
+    p = params.top_p
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or \
+            not 0 < p <= 1:
+        raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)")
+    return dataclasses.replace(params, temperature=0.0) if t < GREEDY_BELOW else params
+
+
+@dataclass(eq=False)
+class Request:
+    """One request on one worker: what it asked for, where it is, and its counters.
+
+    The same record serves prefill, decode and colocated; each side fills what it uses.
+    ``state`` is written by one method per side (the side's scheduler), which checks the
+    move with ``check_transition``. Row positions (P = ``prompt_len``, G = generated)::
+
+        [0, num_computed)        prompt KV computed here, loaded from a host tier or
+                                 received from a prefill (P once the prompt is done)
+        [P, P + G - 1)           KV of generated tokens 0 .. G-2 (decode)
+        P + G - 1                the newest token: no KV yet (``next_position``)
+    """
+
+    rid: str
+    """Unique per submission (the router's id); owner of the row in the free log."""
+    prompt: list[int]
+    params: SamplingParams
+    state: ReqState = ReqState.QUEUED
+    kv: KvRecord | None = None
+    """The device row while it holds one (None queued, retracted or ended)."""
+    label: str = ""
+    """The client's name for it (seeds sampling, so a rerun samples alike); rid if empty."""
+    output: list[int] = field(default_factory=list)
+    """Generated tokens, the first (computed by prefill) included."""
+    num_computed: int = 0
+    """Prompt positions [0, num_computed) hold KV."""
+    t_arrival: float = field(default_factory=time.monotonic)
+
+    # -- where the prompt comes from (decode) and goes to (prefill) ---------------------
+    prefill: str = ""
+    """Decode: the prefill worker computing the prompt; empty when colocated."""
+    prefill_addr: str = ""
+    eager: bool = False
+    """Prefill: compute before the decode announced (the router saw room there)."""
+    announced: bool = False
+    """Prefill: the decode announced its rows over the KV transport."""
+    reuse: bool = True
+    """May load a cached prefix from the host tier (off after a load timed out)."""
+    num_sent_pages: int = 0
+    """Prefill: pages the transfer carried (the prompt's, less those the decode had)."""
+    t_first_send: float = 0.0
+    t_prefilled: float = 0.0
+    """Prefill: when the last prompt chunk was computed."""
+
+    # -- decoding ------------------------------------------------------------------------
+    age: int = -1
+    """Order in which it joined the batch (kept across retraction); -1 before."""
+    num_draft_valid: int = 0
+    """Speculation: draft-model KV is valid at row positions [0, num_draft_valid)."""
+    chain: HashChain | None = None
+    """Host connector: hash chain over its committed tokens (None: not offloading)."""
+    num_offered_pages: int = 0
+    """Host connector: full committed pages already handed to the offloader."""
+    host_ref: bytes | None = None
+    """Retracted: the last key of its stored chain, referenced until it resumes."""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.rid
+
+    def __repr__(self) -> str:
+        return (f"Request({self.rid!r}, {self.state.name}, prompt_len={self.prompt_len}, "
+                f"output={len(self.output)}, num_computed={self.num_computed}, kv={self.kv})")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def max_len(self) -> int:
+        """Row positions the request may need: prompt + generated tokens but the last."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
+
+    @property
+    def next_position(self) -> int:
+        """Row position of the newest token (the next decode step's input)."""
+        return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        """Tokens whose KV a decoding row holds: the prompt and all outputs but the newest."""
+        return self.prompt + self.output[:-1]
+
+    @property
+    def prompt_remaining(self) -> int:
+        """Prompt tokens still to compute (prefill)."""
+        return len(self.prompt) - self.num_computed
+
+    @property
+    def is_done(self) -> bool:
+        """Generated ``max_new_tokens`` or emitted a stop token."""
+        return len(self.output) >= self.params.max_new_tokens or (
+            bool(self.output) and self.params.is_stop(self.output[-1]))
+
+    @property
+    def finish_reason(self) -> str:
+        """``stop`` when the last token is a stop token, else ``length``."""
+        return "stop" if self.output and self.params.is_stop(self.output[-1]) else "length"

@@ -1,10 +1,10 @@
 """Continuous batching of decode steps over rows of a ``KvCache``.
 
-A sequence joins the batch once its prompt KV is in the pool and its first token is known
-(computed by prefill). Each ``step`` runs one ``StepFn`` over every running sequence and
-appends the tokens it returns; a sequence leaves when it reaches ``max_new_tokens`` or
-emits its stop token. The batch frees nothing: the worker frees finished rows with
-``finish_ranges`` (so a host-tier connector can take over freeing later).
+A request joins the batch once its prompt KV is in the pool and its first token is known
+(computed by prefill). Each ``step`` runs one ``StepFn`` over every running request and
+appends the tokens it returns to its ``output``; a request leaves when it reaches
+``max_new_tokens`` or emits its stop token. The batch frees nothing: the scheduler frees
+finished rows with ``finish_ranges`` (or the host connector does, once its copies end).
 
 Row of a running sequence (P = prompt length, G = tokens generated so far)::
 
@@ -21,44 +21,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common.kv import KvCache, KvRecord, ceil_align
 from common.model import BatchItem, ModelRunner, sample
-from common.request import SamplingParams
+from common.request import Request
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class DecodeSeq:
-    """One request in the continuous batch."""
-
-    rid: str
-    kv: KvRecord
-    params: SamplingParams
-    prompt_len: int
-    output: list[int] = field(default_factory=list)
-    """Generated tokens, the first (from prefill) included."""
-    prompt: list[int] = field(default_factory=list)
-    """The prompt's token ids (n-gram speculation looks up in them); may be empty."""
-
-    @property
-    def is_done(self) -> bool:
-        return len(self.output) >= self.params.max_new_tokens or (
-            bool(self.output) and self.params.is_stop(self.output[-1]))
-
-    @property
-    def next_position(self) -> int:
-        """Row position of the newest token (the next step's input)."""
-        return self.prompt_len + len(self.output) - 1
-
-
-StepFn = Callable[[ModelRunner, list[DecodeSeq]], list[list[int]]]
+StepFn = Callable[[ModelRunner, list[Request]], list[list[int]]]
 """Runs one decode step over the sequences; returns the new tokens of each."""
 
 
-def greedy_step(runner: ModelRunner, seqs: list[DecodeSeq]) -> list[list[int]]:
+def greedy_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
     """One token per sequence: write the newest token's KV, sample the next."""
     cache = runner.cache
     for s in seqs:
@@ -67,7 +42,7 @@ def greedy_step(runner: ModelRunner, seqs: list[DecodeSeq]) -> list[list[int]]:
     logits = runner.forward([BatchItem(s.kv, s.output[-1:], s.next_position) for s in seqs])
     for s in seqs:
         cache.commit(s.kv, 1)
-    tokens = sample(logits, [s.params for s in seqs], [s.rid for s in seqs],
+    tokens = sample(logits, [s.params for s in seqs], [s.label for s in seqs],
                     [len(s.output) for s in seqs])
     return [[t] for t in tokens]
 
@@ -98,29 +73,35 @@ class DecodeBatch:
     """
 
     def __init__(self, runner: ModelRunner, step_fn: StepFn = greedy_step,
-                 on_commit: Callable[[list[DecodeSeq]], None] | None = None) -> None:
+                 on_commit: Callable[[list[Request]], None] | None = None) -> None:
         self.runner = runner
         self.cache: KvCache = runner.cache
         self.step_fn, self.on_commit = step_fn, on_commit
-        self.running: dict[str, DecodeSeq] = {}
+        self.running: dict[str, Request] = {}
         self.num_steps = 0
 
     def __len__(self) -> int:
         return len(self.running)
 
-    def add(self, seq: DecodeSeq) -> bool:
-        """Join the batch. Returns False (not added) when the sequence is already done."""
-        if seq.is_done:
+    def add(self, req: Request) -> bool:
+        """Join the batch (new, or resumed in a new row). Returns False (not added) when
+        the request is already done.
+
+        The prompt's draft KV came with it (prefill computes it), so speculation starts
+        from ``num_draft_valid = prompt_len``.
+        """
+        if req.is_done:
             return False
-        assert seq.kv.committed_len == seq.next_position, (seq.rid, seq.kv)
-        self.running[seq.rid] = seq
+        assert req.kv.committed_len == req.next_position, (req.rid, req.kv)
+        req.num_draft_valid = req.prompt_len
+        self.running[req.rid] = req
         return True
 
-    def remove(self, rid: str) -> DecodeSeq | None:
+    def remove(self, rid: str) -> Request | None:
         """Take ``rid`` out (abort); the caller frees its row."""
         return self.running.pop(rid, None)
 
-    def step(self) -> tuple[list[tuple[DecodeSeq, list[int]]], list[DecodeSeq]]:
+    def step(self) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
         """One step over all running sequences.
 
         Returns:

@@ -1,15 +1,21 @@
-"""The decode side of a worker: admission, the continuous batch and the host tier.
+"""The decode scheduler: admission, the continuous batch, the host tier, retraction.
 
-Shared by the decode worker (prompt KV arrives from a prefill) and the colocated worker
-(prompt KV is prefilled in-process). Both admit through ``Admission``, decode in a
-``DecodeBatch`` with the configured ``StepFn`` and, with offload on, cache prefixes on
-the host tier through a ``HostConnector``. The worker keeps what differs (receiving KV
-and retraction, or the prefill engine) and calls in here for the rest of a request's life.
+Shared by the decode worker (a request's prompt KV arrives from a prefill) and the
+colocated worker (its prefill engine computes it). The worker turns its inputs (router
+messages, transport events or prefill steps) into calls here; the scheduler
 
-Who frees what: ``finish`` frees a finished row (``finished``) or hands it to the host
-connector, which frees it in ``reap`` once its copies end; ``end`` frees at once with the
-failure's reason; ``close`` waits for host copies, reaps and closes both pools after the
-worker ended every request (``abort_all``).
+- is the only writer of ``Request.state`` on its worker (``_move``, checked), and
+- ends every request in one place, ``_free_request(req, reason)``, which asks each part
+  in turn what it still holds for the request (the prompt source: the transport or the
+  prefill engine; the batch; the host connector; retraction) and frees the row once.
+
+Who frees what: a finished row is freed with ``finished`` now, or by the host connector
+once its copies to the host tier end (``reap``); an abort or failure frees at once with
+its reason (pins keep pages in flight out of reuse); a prefix load past its deadline
+frees the row with ``timeout`` and queues the request again (``PrefixReuse``);
+retraction frees with ``offloaded``. Speculation keeps its per-request state on the
+record (``num_draft_valid``), so the step holds nothing to free. ``close`` waits for host
+copies, reaps and closes both pools after the worker ended every request.
 """
 
 from __future__ import annotations
@@ -18,177 +24,207 @@ import logging
 from collections.abc import Callable
 
 from common.config import ServeConfig
-from common.host import close_offloader, host_salt, make_offloader
-from common.kv import KvCache
+from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
+from common.kv import FreeReason, KvCache
 from common.metrics import host_readings, spec_readings
 from common.model import ModelRunner
 from common.node import Done, Load, Message, Tokens
-from common.request import ReqState
-from decode_node.admission import Admission, WorkItem
-from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from common.request import ReqState, Request, check_transition
+from decode_node.admission import Admission
+from decode_node.batch import DecodeBatch, finish_ranges
 from decode_node.host_connector import HostConnector
+from decode_node.retraction import Retractor
 from decode_node.speculative import make_step, spec_stats
+
+logger = logging.getLogger(__name__)
 
 Send = Callable[[Message], None]
 """Sends one message to the router."""
 
-EndFn = Callable[[WorkItem, str, str], None]
-"""A worker's ``_end(item, reason, detail)``."""
+StopPrompt = Callable[[Request, str, str], None]
+"""Stops whatever still brings a request's prompt KV (the transport's receive, the
+prefill engine) when the request ends before its prompt is in: ``(req, reason, detail)``."""
 
 
-class DecodeSide:
-    """Admission, batch and host connector of one worker, and the decode-side steps of a
-    request's life (prefix load, start decoding, finish, end).
+class DecodeScheduler:
+    """Admission, batch, host connector and retraction of one worker, and the decode-side
+    steps of a request's life.
 
     Args:
         name: the worker's name (logs).
         cfg: the serving config.
         cache: the worker's device pool; ``runner`` runs the model over it.
         send: sends a message to the router.
+        stop_prompt: the prompt source's part of ``_free_request`` (see ``StopPrompt``).
         device, log_dir: where the host tier lives and logs (``make_offloader``).
-        log: the worker's logger (its records keep the worker's logger name).
         who: how error messages to the client name the worker (``"decode d0"``).
         instead: what the worker does with the prompt when no prefix was loaded
             (``"receiving"`` or ``"computing"``; logs only).
-        whole_life: reserve each request's whole life (False: overcommit).
+        whole_life: reserve each request's whole life (False: overcommit, retraction).
     """
 
     def __init__(self, name: str, cfg: ServeConfig, cache: KvCache, runner: ModelRunner,
-                 send: Send, *, device: str, log_dir: str | None, log: logging.Logger,
+                 send: Send, stop_prompt: StopPrompt, *, device: str, log_dir: str | None,
                  who: str, instead: str, whole_life: bool = True) -> None:
-        self.name, self.cfg, self.cache, self.send, self.log = name, cfg, cache, send, log
-        self.who, self.instead = who, instead
+        self.name, self.cfg, self.cache, self.runner = name, cfg, cache, runner
+        self.send, self.stop_prompt, self.who, self.instead = send, stop_prompt, who, instead
         self.admission = Admission(cache, cfg.max_running, whole_life=whole_life)
-        self.off = make_offloader(cfg, cache, device, log_dir, name)
-        self.conn = HostConnector(self.off, host_salt(cfg, cache)) if self.off else None
+        self.offloader = make_offloader(cfg, cache, device, log_dir, name)
+        off, salt = self.offloader, host_salt(cfg, cache)
+        self.host_connector = HostConnector(off, salt) if off else None
+        self.prefix_reuse = PrefixReuse(off, salt, cfg.prefix_load_timeout_s) if off else None
         self.step_fn = make_step(cfg)
-        self.batch = DecodeBatch(runner, self.step_fn,
-                                 on_commit=self.conn.on_commit if self.conn else None)
-        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0,
-                       "prefix_load_timeouts": 0}
+        self.batch = DecodeBatch(runner, self.step_fn, on_commit=self.host_connector.on_commit
+                                 if self.host_connector else None)
+        self.retraction = Retractor(self.host_connector, self.batch, cfg.spec_k) \
+            if not whole_life else None
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
 
-    # -- admission: the cached prefix ----------------------------------------------------
-    def load_prefix(self, item: WorkItem, commit: bool) -> int | None:
-        """Fill the admitted row's first pages from the host tier's prefix cache
-        (blocking); ``commit`` commits them too.
+    def find(self, rid: str) -> Request | None:
+        """The live request ``rid`` (queued, admitted, decoding or retracted)."""
+        return self.admission.find(rid)
 
-        Returns:
-            Prompt tokens loaded (page-aligned; 0 on a miss, a failed copy or no host
-            tier), or None when the item left: a load past ``prefix_load_timeout_s``
-            freed the row (``timeout``; the load's pins keep its pages out of reuse until
-            the copy ends) and requeued it at the head without reuse, or an unexpected
-            error ended it (``error``; contained, the worker serves on).
+    # -- admission -------------------------------------------------------------------------
+    def enqueue(self, req: Request) -> None:
+        self.admission.enqueue(req)
+
+    def admit_next(self, *, commit_prefix: bool) -> Request | None:
+        """The next request that fits, with its row open over the prompt and its cached
+        prefix loaded (``num_computed``); ``commit_prefix`` commits that prefix now.
+
+        None when nothing fits now, or while retracted requests wait to resume. A prefix
+        load past its deadline frees the row and requeues the request (it comes back
+        here without reuse); a failing load fails that request alone.
         """
-        try:
-            return self._load(item, commit)
-        except TimeoutError as exc:
-            self._requeue_without_prefix(item, exc)
-        except Exception as exc:  # contained: this request fails, the worker serves on
-            self.log.exception("%s: %s prefix load failed", self.name, item.rid)
-            self.end(item, "error", f"{self.who}: loading the cached prefix failed "
-                     f"({type(exc).__name__}: {exc}); retry the request")
+        if self.retraction is not None and not self.retraction.admits_new():
+            return None
+        while (req := self.admission.admit_next()) is not None:
+            try:
+                if self.prefix_reuse is None or self.prefix_reuse.load_request(
+                        req, commit=commit_prefix) is not None:
+                    return req
+                self.admission.requeue(req)  # timed out: row freed, reuse now off
+            except Exception as exc:  # contained: this request fails, the worker serves on
+                logger.exception("%s: %s prefix load failed", self.name, req.rid)
+                self.end(req, "error", f"{self.who}: loading the cached prefix failed "
+                         f"({type(exc).__name__}: {exc}); retry the request")
         return None
 
-    def _load(self, item: WorkItem, commit: bool) -> int:
-        """``load_prefix`` without containment; raises TimeoutError past the timeout."""
-        if self.conn is None or item.extra.get("no_reuse"):
-            return 0
-        handle = self.conn.prepare_load(item.kv, item.prompt)
-        if handle is None:
-            return 0
-        timeout = self.cfg.prefix_load_timeout_s
+    def waiting_kv(self, req: Request) -> None:
+        """Decode: the prefill was told where the prompt's KV goes."""
+        self._move(req, ReqState.WAITING_KV)
+
+    def prefilling(self, req: Request) -> None:
+        """Colocated: the prefill engine computes the rest of the prompt."""
+        self._move(req, ReqState.PREFILLING)
+
+    # -- decoding --------------------------------------------------------------------------
+    def start_decoding(self, req: Request, t_kv_wall: float = 0.0) -> None:
+        """The prompt's KV is committed and ``req.output`` holds the first token: stream
+        it (``t_kv_wall``: when the decode held all KV) and join the batch, or finish at
+        once (one token wanted, or the stop token came first)."""
+        assert len(req.output) == 1 and req.kv.committed_len == req.prompt_len, req.rid
+        self._move(req, ReqState.DECODING)
+        self.send(Tokens(req.rid, list(req.output), first=True, t_kv_wall=t_kv_wall))
+        if not self.batch.add(req):
+            self._finish(req)
+        elif self.host_connector is not None:
+            self.host_connector.track(req)
+
+    def step(self) -> bool:
+        """Retract under pressure, then one batch step: stream new tokens, finish who is
+        done. True when there was work."""
+        if self.retraction is not None and len(self.batch):
+            self._relieve()
+        if not len(self.batch):
+            return False
         try:
-            if not self.conn.complete_load(handle, timeout):
-                raise TimeoutError(f"{item.rid}: prefix load not done in {timeout} s")
-        except RuntimeError as exc:  # the copy failed and ended: do the whole prompt
-            self.log.warning("%s: %s prefix load failed (%s); %s it all", self.name,
-                             item.rid, exc, self.instead)
-            return 0
-        if commit:
-            self.cache.commit(item.kv, handle.num_tokens)
-        return handle.num_tokens
-
-    def _requeue_without_prefix(self, item: WorkItem, exc: Exception) -> None:
-        """Free the row (``timeout``) and queue the request again at the head, reuse off,
-        so it gets its whole prompt in a new row."""
-        self.log.warning("%s: %s; %s the whole prompt instead", self.name, exc, self.instead)
-        self.counts["prefix_load_timeouts"] += 1
-        self.admission.release(item, [(0, item.kv.allocated_len)], "timeout")
-        item.state, item.extra["no_reuse"] = ReqState.QUEUED, True
-        self.admission.requeue(item)
-
-    # -- decoding ------------------------------------------------------------------------
-    def start_decoding(self, item: WorkItem, first_token: int, t_kv_wall: float = 0.0
-                       ) -> DecodeSeq | None:
-        """Stream the first token (``t_kv_wall``: when the decode held all KV) and join
-        the batch; the prompt's KV must be committed.
-
-        Returns:
-            The sequence when it is already done (one token wanted, or the stop token
-            came first): the caller finishes it. None when it joined the batch.
-        """
-        item.state = ReqState.DECODING
-        seq = DecodeSeq(item.rid, item.kv, item.params, len(item.prompt), [first_token],
-                        item.prompt)
-        self.send(Tokens(item.rid, [first_token], first=True, t_kv_wall=t_kv_wall))
-        if not self.batch.add(seq):
-            return seq
-        if self.conn is not None:
-            self.conn.track(seq, item.prompt)
-        return None
-
-    def step(self) -> list[tuple[WorkItem, DecodeSeq]]:
-        """One batch step: stream new tokens; returns the finished requests (the caller
-        finishes each)."""
-        emitted, finished = self.batch.step()
-        for seq, toks in emitted:
+            emitted, finished = self.batch.step()
+        except Exception as exc:  # contained: the batch's requests fail, the worker lives
+            logger.exception("%s: a decode step failed", self.name)
+            for req in list(self.batch.running.values()):
+                self.end(req, "error", f"{self.who}: a decode step failed "
+                         f"({type(exc).__name__}: {exc}); retry the request")
+            return True
+        for req, toks in emitted:
             if toks:
-                self.send(Tokens(seq.rid, toks))
-        return [(self.admission.admitted[seq.rid], seq) for seq in finished]
+                self.send(Tokens(req.rid, toks))
+        for req in finished:
+            self._finish(req)
+        return True
 
-    def finish(self, item: WorkItem, seq: DecodeSeq) -> str:
-        """Free the row (or hand it to the host connector while copies are in flight),
-        send ``done``; returns the finish reason (``stop`` or ``length``)."""
-        output = seq.output
-        reason = "stop" if output and item.params.is_stop(output[-1]) else "length"
+    def _finish(self, req: Request) -> None:
+        reason = req.finish_reason
         self.counts["finished"] += 1
-        self.counts["tokens"] += len(output)
-        ranges = finish_ranges(item.kv, self.cache.page_size)
-        if self.conn is not None and self.conn.request_finished(seq, ranges):
-            self.admission.forget(item)  # the connector frees it in reap()
-        else:
-            self.admission.release(item, ranges, "finished")
-        self.send(Done(item.rid, reason, n=len(output)))
-        return reason
+        self.counts["tokens"] += len(req.output)
+        self._free_request(req, reason)
+        logger.info("%s: %s finished (%s, %d tokens)", self.name, req.rid, reason,
+                    len(req.output))
 
-    def end(self, item: WorkItem, reason: str, detail: str = "") -> None:
-        """Abort or failure at any stage: free what is held (reason for the free log:
-        ``_free_reason``), forget the request, tell the router."""
-        self.log.info("%s: %s %s in %s%s", self.name, item.rid, reason, item.state.name,
-                      f" ({detail})" if detail else "")
-        self.batch.remove(item.rid)
-        item.state = ReqState.ABORTED if reason == "aborted" else ReqState.FAILED
+    def end(self, req: Request, reason: str, detail: str = "") -> None:
+        """Abort (``aborted``) or failure (any other reason) at any stage."""
+        logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
+                    f" ({detail})" if detail else "")
         self.counts["aborted" if reason == "aborted" else "failed"] += 1
-        if item.kv is not None:
-            self.admission.release(item, finish_ranges(item.kv, self.cache.page_size),
-                                   _free_reason(reason))
-        else:
-            self.admission.release(item, [], reason)
-        if self.conn is not None:
-            self.conn.request_aborted(item.rid)
-        self.forget_step(item.rid)
-        self.send(Done(item.rid, reason, error=detail))
+        self._free_request(req, reason, detail)
 
-    def forget_step(self, rid: str) -> None:
-        """Drop the step's per-request state (speculation), if it keeps any."""
-        if hasattr(self.step_fn, "forget"):
-            self.step_fn.forget(rid)
+    # -- overcommit: retraction under pressure (decode_node/retraction.py) -----------------
+    def _relieve(self) -> None:
+        """Retract the youngest running requests until the next step fits the pool."""
+        for req in self.retraction.relieve():
+            self._move(req, ReqState.RETRACTED)  # row freed (offloaded)
+            logger.info("%s: %s retracted to the host tier", self.name, req.rid)
+
+    def resume(self) -> None:
+        """Bring retracted requests back, oldest first, while their rows fit (call before
+        admitting: new requests wait while any is still retracted)."""
+        if self.retraction is None or self.retraction.admits_new():
+            return
+        reqs, failed = self.retraction.resume(self.runner, self.cfg.prefix_load_timeout_s)
+        for req in reqs:
+            self._move(req, ReqState.DECODING)
+            self.batch.add(req)
+            logger.info("%s: %s resumed", self.name, req.rid)
+        for rid, why in failed.items():
+            self.end(self.admission.admitted[rid], "error", f"{self.who} could not reload "
+                     f"this request from its host tier after retracting it under memory "
+                     f"pressure ({why}); retry it, or give decodes more pages")
+
+    # -- the one writer of states, the one end ---------------------------------------------
+    def _move(self, req: Request, state: ReqState) -> None:
+        check_transition(req.state, state)
+        req.state = state
+
+    def _free_request(self, req: Request, reason: str, detail: str = "") -> None:
+        """End ``req`` (``stop``/``length`` finished it, anything else aborted or failed
+        it): each part lets go of it, the row is freed once, the router hears ``Done``."""
+        ok = reason in ("stop", "length")
+        if req.state in (ReqState.WAITING_KV, ReqState.PREFILLING):
+            self.stop_prompt(req, reason, detail)                 # transport / prefill
+        self.batch.remove(req.rid)                                # batch
+        held = False
+        if req.kv is not None:
+            ranges = finish_ranges(req.kv, self.cache.page_size)
+            if self.host_connector is not None:                   # host connector
+                held = ok and self.host_connector.request_finished(req, ranges)
+                if not ok:
+                    self.host_connector.request_aborted(req)
+            if not held:                                          # the row, once
+                self.cache.free_kv_row(req.kv, ranges, reason=FreeReason.of_end(reason))
+                self.cache.close_row(req.kv)
+            req.kv = None                                         # held: reap() frees it
+        elif self.retraction is not None:
+            self.retraction.discard(req)                          # retraction
+        self.admission.forget(req)
+        self._move(req, ReqState.FINISHED if ok else ReqState.ABORTED
+                   if reason == "aborted" else ReqState.FAILED)
+        self.send(Done(req.rid, reason, n=len(req.output) if ok else 0, error=detail))
 
     # -- reporting and shutdown ----------------------------------------------------------
     def reap(self) -> None:
         """Free held rows whose host copies completed (every loop)."""
-        if self.conn is not None:
-            self.conn.reap()
+        if self.host_connector is not None:
+            self.host_connector.reap()
 
     def load(self, running: int = 0) -> Load:
         """Load report; ``running`` counts requests the worker runs elsewhere."""
@@ -198,40 +234,35 @@ class DecodeSide:
 
     def stats(self, extra: dict) -> dict:
         """Counters, steps, the worker's ``extra``, speculation and host-tier counters."""
-        host = {} if self.conn is None else {
-            "offloaded_pages": self.off.num_offloaded_pages,
-            "prefix_hit_pages": self.conn.num_prefix_hit_pages,
-            "retracted": self.conn.num_retracted}
+        host = {} if self.host_connector is None else {
+            "offloaded_pages": self.offloader.num_offloaded_pages,
+            "prefix_hit_pages": self.prefix_reuse.num_hit_pages,
+            "prefix_load_timeouts": self.prefix_reuse.num_timeouts,
+            "retracted": self.host_connector.num_retracted}
         return {**self.counts, "steps": self.batch.num_steps, **extra,
                 **spec_stats(self.step_fn), **host}
 
-    def abort_all(self, end: EndFn) -> None:
-        """Shutdown: ``end`` every admitted, then every queued request (``aborted``)."""
-        for item in list(self.admission.admitted.values()) + list(
+    def metric_readings(self) -> list:
+        """Speculation, prefix-hit and host-copy counters (metrics)."""
+        out = [*spec_readings(getattr(self.step_fn, "stats", None)),
+               *host_readings(self.offloader, self.cache.layout.page_bytes(
+                   self.cache.page_size))]
+        if self.prefix_reuse is not None:
+            out.append(("pdkv_prefix_hit_pages_total", {}, self.prefix_reuse.num_hit_pages))
+        return out
+
+    def abort_all(self, detail: str = "worker shutting down") -> None:
+        """End every admitted, then every queued request (``aborted``)."""
+        for req in list(self.admission.admitted.values()) + list(
                 self.admission.queue.values()):
-            end(item, "aborted", "worker shutting down")
+            self.end(req, "aborted", detail)
 
     def close(self) -> None:
         """After ``abort_all``: wait for host copies (held rows are freed once every copy
         ended), close the host tier, check and close the device pool."""
-        if self.conn is not None:
-            self.off.wait(None, self.cfg.lease_s)
-            self.conn.reap()
-        close_offloader(self.off, self.cfg.lease_s)
+        if self.host_connector is not None:
+            self.offloader.wait(None, self.cfg.lease_s)
+            self.host_connector.reap()
+        close_offloader(self.offloader, self.cfg.lease_s)
         self.cache.check_integrity()
         self.cache.close()
-
-
-def side_readings(side: DecodeSide) -> list:
-    """Speculation, prefix-hit and host-copy counters of a decode side (metrics)."""
-    out = [*spec_readings(getattr(side.step_fn, "stats", None)),
-           *host_readings(side.off, side.cache.layout.page_bytes(side.cache.page_size))]
-    if side.conn is not None:
-        out.append(("pdkv_prefix_hit_pages_total", {}, side.conn.num_prefix_hit_pages))
-    return out
-
-
-def _free_reason(reason: str) -> str:
-    """Free-log reasons are a closed set (DESIGN.md section 4)."""
-    allowed = {"finished", "aborted", "timeout", "peer_lost", "error"}
-    return reason if reason in allowed else "error"

@@ -23,11 +23,13 @@ only by what is missing and overwrites the stale lookahead KV before any query r
 with ``decode_node.batch.finish_ranges`` (committed part and the lookahead tail in one
 ``free_kv_row`` call). This module frees nothing.
 
-Draft KV: a sequence joins with warm draft KV for its prompt (the prefill computes it and
-it travels with the target's), so draft positions ``[0, prompt_len)`` are valid. The draft
-is the model's own first layers (built-ins) or a draft checkpoint (the runner's
-``draft``); with n-gram lookup (``NgramProposer``) step 1 is a lookup in the sequence's
-own tokens instead, and there is no draft KV at all.
+Draft KV: a request joins with warm draft KV for its prompt (the prefill computes it and
+it travels with the target's), so draft positions ``[0, prompt_len)`` are valid;
+``DecodeBatch.add`` sets ``Request.num_draft_valid`` so, and this step keeps it current.
+The step holds no per-request state of its own. The draft is the model's own first layers
+(built-ins) or a draft checkpoint (the runner's ``draft``); with n-gram lookup
+(``NgramProposer``) step 1 is a lookup in the request's own tokens instead, and there is
+no draft KV at all.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import logging
 from dataclasses import dataclass
 
 from common.config import ServeConfig
-from common.kv import KvCache, KvRecord, OutOfPages
+from common.kv import KvCache, OutOfPages
 from common.model import BatchItem, ModelRunner
-from decode_node.batch import DecodeSeq, StepFn, greedy_step
+from common.request import Request
+from decode_node.batch import StepFn, greedy_step
 from decode_node.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -76,22 +79,14 @@ class SpecStats:
                 "mean_accepted_len": self.mean_accepted_len}
 
 
-@dataclass
-class _Draft:
-    """Per-sequence draft state: draft KV is valid at row positions [0, valid_len)."""
-
-    kv: KvRecord
-    valid_len: int
-
-
 class SpeculativeStep:
     """A ``StepFn`` that proposes ``k`` draft tokens per sequence and verifies them.
 
     Args:
         k: draft tokens per sequence per step (>= 1). Near the end of a request fewer are
             proposed, so a step never computes tokens past ``max_new_tokens``.
-        ngram: propose by n-gram lookup in each sequence's own tokens (needs
-            ``DecodeSeq.prompt``) instead of running a draft model.
+        ngram: propose by n-gram lookup in each request's own tokens instead of running a
+            draft model.
 
     Greedy only (``temperature == 0``); with a draft model the cache must hold its
     layers. Not thread-safe (one per decode batch).
@@ -102,15 +97,9 @@ class SpeculativeStep:
             raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use greedy_step for 0)")
         self.k, self.ngram = k, ngram
         self.stats = SpecStats()
-        self._drafts: dict[str, _Draft] = {}
 
-    def forget(self, rid: str) -> None:
-        """Drop ``rid``'s draft state (abort); finished sequences are dropped already."""
-        self._drafts.pop(rid, None)
-
-    def __call__(self, runner: ModelRunner, seqs: list[DecodeSeq]) -> list[list[int]]:
+    def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
         """One speculative step; returns each sequence's new tokens (1 to k + 1)."""
-        self._prune()
         for s in seqs:
             if s.params.temperature != 0:
                 raise ValueError(f"{s.rid}: speculative decoding is greedy only "
@@ -126,7 +115,7 @@ class SpeculativeStep:
         return out
 
     # -- the three phases ---------------------------------------------------------------
-    def _make_room(self, runner: ModelRunner, s: DecodeSeq) -> int:
+    def _make_room(self, runner: ModelRunner, s: Request) -> int:
         """Extend the row so positions [p, p + k_s + 1) have slots; returns k_s.
 
         k_s is k, less near ``max_new_tokens`` / ``max_position`` / ``max_row_len``, and 0
@@ -143,7 +132,7 @@ class SpeculativeStep:
             cache.extend(s.kv, max(0, p + 1 - s.kv.allocated_len))
         return k_s
 
-    def _propose(self, runner: ModelRunner, seqs: list[DecodeSeq], ks: list[int]
+    def _propose(self, runner: ModelRunner, seqs: list[Request], ks: list[int]
                  ) -> list[list[int]]:
         """Draft proposals, k_s per sequence; pass j batches the sequences with k_s > j."""
         if self.ngram is not None:
@@ -157,14 +146,14 @@ class SpeculativeStep:
                 proposals[i].append(int(t))
         return proposals
 
-    def _draft_item(self, s: DecodeSeq, props: list[int], j: int) -> BatchItem:
+    def _draft_item(self, s: Request, props: list[int], j: int) -> BatchItem:
         if j:
             return BatchItem(s.kv, props[-1:], s.next_position + j)
         # Catch up from the first position without valid draft KV up to the newest token.
-        start = self._draft(s).valid_len
+        start = s.num_draft_valid
         return BatchItem(s.kv, s.output[start - s.prompt_len:], start)
 
-    def _accept(self, cache: KvCache, s: DecodeSeq, props: list[int], greedy: list[int]
+    def _accept(self, cache: KvCache, s: Request, props: list[int], greedy: list[int]
                 ) -> list[int]:
         """Greedy acceptance, truncation at the request's end, commit of verified KV."""
         a = 0
@@ -178,39 +167,20 @@ class SpeculativeStep:
         if props and self.ngram is None:
             # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
             valid = p + min(a, len(props) - 1) + 1  # committed tokens
-            self._draft(s).valid_len = min(valid, s.kv.committed_len)
+            s.num_draft_valid = min(valid, s.kv.committed_len)
         st = self.stats
         st.num_seq_steps += 1
         st.num_proposed += len(props)
         st.num_accepted += a
         st.num_emitted += len(tokens)
-        if _ends(s, tokens):
-            self.forget(s.rid)
         return tokens
 
-    # -- draft state --------------------------------------------------------------------
-    def _draft(self, s: DecodeSeq) -> _Draft:
-        d = self._drafts.get(s.rid)
-        if d is None or d.kv is not s.kv:  # a new request (or a reused rid)
-            d = self._drafts[s.rid] = _Draft(s.kv, s.prompt_len)
-        return d
 
-    def _prune(self) -> None:
-        """Forget sequences whose rows were closed (aborted without ``forget``)."""
-        for rid in [rid for rid, d in self._drafts.items() if not d.kv.is_open]:
-            del self._drafts[rid]
-
-
-def _truncate(s: DecodeSeq, tokens: list[int]) -> list[int]:
+def _truncate(s: Request, tokens: list[int]) -> list[int]:
     """Cut ``tokens`` at ``max_new_tokens`` and just after a stop token."""
     tokens = tokens[:max(0, s.params.max_new_tokens - len(s.output))]
     hit = next((i for i, t in enumerate(tokens) if s.params.is_stop(t)), None)
     return tokens if hit is None else tokens[:hit + 1]
-
-
-def _ends(s: DecodeSeq, tokens: list[int]) -> bool:
-    return (len(s.output) + len(tokens) >= s.params.max_new_tokens
-            or (bool(tokens) and s.params.is_stop(tokens[-1])))
 
 
 class MixedStep:
@@ -228,10 +198,7 @@ class MixedStep:
         self.spec = SpeculativeStep(k, ngram)
         self.stats = self.spec.stats
 
-    def forget(self, rid: str) -> None:
-        self.spec.forget(rid)
-
-    def __call__(self, runner: ModelRunner, seqs: list[DecodeSeq]) -> list[list[int]]:
+    def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
         greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
         other = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
         out: list[list[int]] = [[] for _ in seqs]

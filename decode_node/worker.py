@@ -22,6 +22,9 @@ that does not end within ``prefix_load_timeout_s`` frees the row (``timeout``; t
 pins keep its pages safe) and puts the request back at the head of the queue with reuse
 off, so it receives its whole prompt in a new row. With overcommit, a running request may
 be RETRACTED to the host tier (no device row) and resumed later (DECODING again).
+
+This module only connects transport events and router messages to the
+``DecodeScheduler``, which owns every request's state and its one end.
 """
 
 from __future__ import annotations
@@ -32,11 +35,8 @@ import time
 from common.codec import unpack_ids
 from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
-from common.request import BadRequest, ReqState, SamplingParams
-from decode_node.admission import WorkItem
-from decode_node.batch import DecodeSeq
-from decode_node.retraction import Retractor
-from decode_node.scheduler import DecodeSide, side_readings
+from common.request import BadRequest, Request, SamplingParams
+from decode_node.scheduler import DecodeScheduler
 from transport import EventKind, KvReceiver, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
@@ -47,24 +47,23 @@ class DecodeWorker(WorkerBase):
 
     role = "decode"
 
-    def __init__(self, name: str, router: str, device: str = "cpu",
-                 log_dir: str | None = None, local_models: dict[str, str] | None = None
-                 ) -> None:
-        super().__init__(name, router, device, log_dir, local_models=local_models)
-        cfg = self.config
+    def build(self) -> None:
+        cfg, name = self.config, self.name
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
-        self.side = DecodeSide(name, cfg, cache, self.runner, self.send, device=device,
-                               log_dir=log_dir, log=logger, who=f"decode {name}",
-                               instead="receiving", whole_life=not cfg.overcommit)
-        self.retractor = Retractor(self.side.conn, self.side.batch, cfg.spec_k) \
-            if cfg.overcommit else None
-        self.rx = KvReceiver(cache, TransportConfig(
+        self.scheduler = DecodeScheduler(
+            name, cfg, cache, self.runner, self.send, self._stop_receiving,
+            device=self.device, log_dir=self.log_dir, who=f"decode {name}",
+            instead="receiving", whole_life=not cfg.overcommit)
+        # The handshake with a new prefill blocks this loop until it answers: bound it
+        # well inside the router's lease, so a dead prefill costs its requests, never
+        # this worker's registration.
+        self.receiver = KvReceiver(cache, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            shared_memory=cfg.shared_memory), ctx=self.ctx)
+            handshake_timeout_s=max(0.5, cfg.lease_s / 4), shared_memory=cfg.shared_memory),
+            ctx=self.ctx)
         self.groups: dict[str, int] = {}
-        watch_host(self.metrics, self.side.off)
-        self.report_ready()
+        watch_host(self.metrics, self.scheduler.offloader)
 
     # -- control -------------------------------------------------------------------------
     def on_req(self, msg: Req) -> None:
@@ -72,7 +71,7 @@ class DecodeWorker(WorkerBase):
         try:
             params = SamplingParams.from_dict(msg.params)
             prompt = unpack_ids(msg.prompt, "prompt").tolist()
-            if not prompt or self.side.admission.find(rid) or rid in self.side.batch.running:
+            if not prompt or self.scheduler.find(rid) is not None:
                 raise BadRequest(f"{rid}: empty prompt or rid already in flight")
             if len(prompt) + params.max_new_tokens > self.config.pool_tokens("decode"):
                 raise BadRequest(f"{rid}: needs {len(prompt) + params.max_new_tokens} "
@@ -80,143 +79,91 @@ class DecodeWorker(WorkerBase):
         except (BadRequest, ValueError) as exc:
             self.send(Done(rid, "error", error=str(exc)))
             return
-        self.side.admission.enqueue(WorkItem(rid, prompt, params, msg.prefill,
-                                             msg.prefill_addr,
-                                             extra={"t_recv": time.monotonic()}))
+        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
+                                       prefill=msg.prefill, prefill_addr=msg.prefill_addr))
+
+    def on_abort(self, rid: str) -> None:
+        req = self.scheduler.find(rid)
+        if req is not None:
+            self.scheduler.end(req, "aborted")
 
     # -- work ----------------------------------------------------------------------------
     def tick(self) -> bool:
-        for ev in self.rx.poll(0):
+        for ev in self.receiver.poll(0):
             self._on_event(ev)
-        self.side.reap()
-        waiting = self._resume()
-        admitted = False if waiting else self._admit()  # retracted requests go first
-        if len(self.side.batch):
-            self._relieve()
-        if not len(self.side.batch):
-            return admitted
-        for item, seq in self.side.step():
-            self._finish(item, seq)
-        return True
+        self.scheduler.reap()
+        self.scheduler.resume()  # retracted requests go before new ones
+        admitted = self._admit()
+        return self.scheduler.step() or admitted
 
     def _admit(self) -> bool:
+        """Admit what fits and tell each request's prefill where its KV goes."""
         any_admitted = False
-        while (item := self.side.admission.admit_next()) is not None:
+        while (req := self.scheduler.admit_next(commit_prefix=False)) is not None:
             any_admitted = True
-            cached = self.side.load_prefix(item, commit=False)  # committed with the rest
-            if cached is None:  # requeued without reuse, or failed
-                continue
             try:
-                group = self._group(item.prefill, item.prefill_addr)
-                self.rx.announce(item.rid, item.kv, len(item.prompt), cached, group)
+                group = self._group(req.prefill, req.prefill_addr)
+                self.receiver.announce(req.rid, req.kv, req.prompt_len, req.num_computed,
+                                       group)
             except Exception as exc:  # contained: this request fails, the worker serves on
-                logger.error("%s: %s cannot reach prefill %s: %s", self.name, item.rid,
-                             item.prefill, exc)
-                self._end(item, "error", f"decode {self.name} cannot reach prefill "
-                          f"{item.prefill} at {item.prefill_addr!r}: {exc}")
+                logger.error("%s: %s cannot reach prefill %s: %s", self.name, req.rid,
+                             req.prefill, exc)
+                self.scheduler.end(req, "error", f"decode {self.name} cannot reach prefill "
+                                   f"{req.prefill} at {req.prefill_addr!r}: {exc}")
                 continue
-            item.state = ReqState.WAITING_KV
+            self.scheduler.waiting_kv(req)
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
-                        item.rid, len(item.prompt), item.prefill)
+                        req.rid, req.prompt_len, req.prefill)
         return any_admitted
-
-    # -- overcommit: retraction under pressure (decode_node/retraction.py) -----------------
-    def _max_len(self, rid: str) -> int:
-        return self.side.admission.admitted[rid].max_len
-
-    def _relieve(self) -> None:
-        """Retract the youngest running requests until the next step fits the pool."""
-        if self.retractor is None:
-            return
-        for rid in self.retractor.relieve(self._max_len):
-            item = self.side.admission.admitted[rid]
-            item.kv, item.state = None, ReqState.RETRACTED  # row freed (offloaded)
-            logger.info("%s: %s retracted to the host tier", self.name, rid)
-            self.side.forget_step(rid)
-
-    def _resume(self) -> bool:
-        """Bring retracted requests back; True while any is still waiting (then new
-        requests are not admitted)."""
-        if self.retractor is None or self.retractor.admits_new():
-            return False
-        seqs, failed = self.retractor.resume(self.runner, self.config.prefix_load_timeout_s,
-                                             self._max_len)
-        for seq in seqs:
-            item = self.side.admission.admitted[seq.rid]
-            item.kv, item.state = seq.kv, ReqState.DECODING
-            self.side.batch.add(seq)
-            logger.info("%s: %s resumed", self.name, seq.rid)
-        for rid, why in failed.items():
-            item = self.side.admission.admitted[rid]
-            self._end(item, "error", f"decode {self.name} could not "
-                      f"reload this request from its host tier after retracting it under "
-                      f"memory pressure ({why}); retry it, or give decodes more pages")
-        return not self.retractor.admits_new()
 
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
-        lost = group is not None and self.rx.group_lost(group)
-        if group is None or lost:
-            group = self.groups[prefill] = self.rx.connect(addr)
+        if group is None or self.receiver.group_lost(group):
+            group = self.groups[prefill] = self.receiver.connect(addr)
         return group
 
     def _on_event(self, ev) -> None:
-        if ev.kind == EventKind.COMPLETED:
-            item = self.side.admission.admitted.get(ev.rid)
-            if item is not None:
-                self._start_decoding(item, ev.first_token)
-        elif ev.kind.is_final:
-            item = self.side.admission.admitted.get(ev.rid)
-            if item is not None:
-                self._end(item, ev.reason or "error", ev.detail)
-        elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
+        if ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+            return
+        req = self.scheduler.find(ev.rid) if ev.rid else None
+        if req is None or req.kv is None:
+            return
+        if ev.kind == EventKind.COMPLETED:
+            # the whole prompt arrived: commit it, stream the first token, join the batch
+            self.cache.commit(req.kv, req.prompt_len)
+            req.num_computed = req.prompt_len
+            req.output.append(ev.first_token)
+            self.scheduler.start_decoding(req, t_kv_wall=time.time())
+        elif ev.kind.is_final:
+            self.scheduler.end(req, ev.reason or "error", ev.detail)
 
-    def _start_decoding(self, item: WorkItem, first_token: int) -> None:
-        """The whole prompt arrived: commit it, stream the first token, join the batch."""
-        self.cache.commit(item.kv, len(item.prompt))
-        seq = self.side.start_decoding(item, first_token, t_kv_wall=time.time())
-        if seq is not None:
-            self._finish(item, seq)
-
-    def _finish(self, item: WorkItem, seq: DecodeSeq) -> None:
-        """Free the row (or hand it to the host connector while copies are in flight)."""
-        item.state = ReqState.FINISHED
-        reason = self.side.finish(item, seq)
-        logger.info("%s: %s finished (%s, %d tokens)", self.name, item.rid, reason,
-                    len(seq.output))
-
-    def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
-        """Abort or failure at any stage: stop the transfer, free what is held, tell the
-        router."""
-        if item.state == ReqState.WAITING_KV:
-            self.rx.abort(item.rid, reason if reason != "aborted" else "aborted", detail)
-        self.side.end(item, reason, detail)
-        if self.retractor is not None:
-            self.retractor.discard(item.rid)
-
-    def on_abort(self, rid: str) -> None:
-        item = self.side.admission.find(rid)
-        if item is not None:
-            self._end(item, "aborted")
+    def _stop_receiving(self, req: Request, reason: str, detail: str) -> None:
+        """The scheduler ends a request whose KV is still arriving: stop the transfer
+        (the receiver's pins keep pages the prefill may still write out of reuse)."""
+        self.receiver.abort(req.rid, reason, detail)
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
-        return self.rx.sockets()
+        return self.receiver.sockets()
 
     def load(self) -> Load:
-        return self.side.load()
+        return self.scheduler.load()
 
     def stats(self) -> dict:
-        return self.side.stats({"bytes_recv": int(self.rx.stats["bytes_recv"])})
+        return self.scheduler.stats({"bytes_recv": int(self.receiver.stats["bytes_recv"])})
 
     def metric_readings(self) -> list:
-        retracted = len(self.retractor.waiting) if self.retractor is not None else 0
-        return [*side_readings(self.side), *transport_readings(self.rx, "received"),
+        retraction = self.scheduler.retraction
+        retracted = len(retraction.waiting) if retraction is not None else 0
+        return [*self.scheduler.metric_readings(),
+                *transport_readings(self.receiver, "received"),
                 ("pdkv_queue_requests", {"queue": "retracted"}, retracted)]
 
-    def close(self) -> None:
-        self.side.abort_all(self._end)
-        self.rx.close()
-        self.side.close()
-        super().close()
+    def abandon(self, detail: str) -> None:
+        self.scheduler.abort_all(detail)
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_all()
+        self.receiver.close()
+        self.scheduler.close()

@@ -437,6 +437,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "weights differ")
     p.add_argument("--draft-model", metavar="DIR",
                    help="this host's copy of the draft checkpoint (default: the router's)")
+    p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                   help="exit (status 3) when no router answers the registration within S "
+                        "seconds (default 60)")
     _add_log_level(p)
     p.set_defaults(func=_run_worker)
 

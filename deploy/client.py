@@ -15,6 +15,8 @@ from common.node import (
     Message,
     MetricsQuery,
     MetricsSnapshot,
+    Ping,
+    Pong,
     Shutdown,
     Status,
     StatusReport,
@@ -31,8 +33,16 @@ class Client:
     """
 
     def __init__(self, address: str, name: str = "client") -> None:
+        self.address = address
         self.ctx = zmq.Context()
         self.link = Link(self.ctx, address, name)
+        self.last_heard = time.monotonic()
+        """When the router last said anything (its liveness, as the client sees it)."""
+        self.run = ""
+        """The router incarnation its ``Pong`` last named (a change: it restarted)."""
+        self._last_ping = 0.0
+        self._asked = 0
+        self._backlog: list[Message | Malformed] = []
 
     def submit(self, rid: str, prompt: list[int], params: dict | None = None, *,
                text: str = "", messages: list[dict[str, str]] | None = None,
@@ -51,25 +61,64 @@ class Client:
         self.link.send(Abort(rid))
 
     def poll(self, timeout_s: float = 0.0) -> list[Message | Malformed]:
-        first = self.link.recv(timeout_s)
-        return [] if first is None else [first, *self.link.recv_all()]
+        """The router's messages (those that ``request`` set aside first)."""
+        if self._backlog:
+            out, self._backlog = self._backlog + self.link.recv_all(), []
+        elif (first := self.link.recv(timeout_s)) is None:
+            return []
+        else:
+            out = [first, *self.link.recv_all()]
+        self.last_heard = time.monotonic()
+        for msg in out:
+            if isinstance(msg, Pong):
+                self.run = msg.run
+        return out
 
-    def request(self, msg: Message, answer: type, timeout_s: float) -> Message:
-        """Send ``msg`` and wait for the first message of type ``answer``.
+    def ping(self, timeout_s: float = 10.0) -> str:
+        """Ask the router for a ``Pong``; returns its incarnation tag (``run``)."""
+        self.run = self.request(Ping(self._nonce()), Pong, timeout_s).run
+        return self.run
+
+    def keep_alive(self, heartbeat_s: float) -> float:
+        """Ping the router when it said nothing for ``heartbeat_s`` (its ``Pong`` proves
+        it alive); returns the seconds since it last said anything."""
+        now = time.monotonic()
+        if now - max(self.last_heard, self._last_ping) >= heartbeat_s:
+            self.link.send(Ping())
+            self._last_ping = now
+        return now - self.last_heard
+
+    def request(self, msg: Message, answer: type, timeout_s: float
+                ) -> Message:
+        """Send ``msg`` and wait for its answer (of type ``answer``, the same ``nonce``);
+        an answer to an earlier ask that timed out is dropped, anything else is kept for
+        the next ``poll``.
 
         Raises:
             TimeoutError: no answer within ``timeout_s``.
         """
         self.link.send(msg)
+        nonce = getattr(msg, "nonce", None)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             got = self.link.recv(left)
+            if got is None:
+                continue
+            self.last_heard = time.monotonic()
             if isinstance(got, answer):
-                return got
-        raise TimeoutError(f"router did not answer {type(msg).__name__} within {timeout_s}s")
+                if nonce is None or got.nonce == nonce:
+                    return got
+            else:
+                self._backlog.append(got)
+        raise TimeoutError(f"the router at {self.address} did not answer "
+                           f"{type(msg).__name__} within {timeout_s}s; is it running?")
 
     def status(self, timeout_s: float = 1.0) -> StatusReport:
-        return self.request(Status(), StatusReport, timeout_s)
+        return self.request(Status(self._nonce()), StatusReport, timeout_s)
+
+    def _nonce(self) -> int:
+        self._asked += 1
+        return self._asked
 
     def metrics(self, timeout_s: float = 2.0) -> bytes:
         """The deployment's metrics (``common.metrics.loads`` + ``from_wire`` read them)."""

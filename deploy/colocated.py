@@ -1,10 +1,11 @@
 """The colocated worker: prefill and decode in one process over one pool, no transfer.
 
 It is the reference deployment that disaggregated runs are compared against, and it
-reuses the same pieces: ``DecodeSide`` (``Admission`` with whole-life reservation, FIFO;
-``DecodeBatch``, continuous batching; the host connector) and ``PrefillEngine`` (chunked
-prefill). Each tick runs one prefill pass (when prompts wait) and one decode step (when
-sequences run).
+reuses the same pieces: the ``DecodeScheduler`` (``Admission`` with whole-life
+reservation, FIFO; ``DecodeBatch``, continuous batching; the host connector; prefix
+reuse) and the ``PrefillEngine`` (chunked prefill), which is the scheduler's prompt
+source. Each tick runs one prefill pass (when prompts wait) and one decode step (when
+requests run).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import logging
 from common.codec import unpack_ids
 from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
-from common.request import ReqState, SamplingParams
-from decode_node.admission import WorkItem
-from decode_node.scheduler import DecodeSide, side_readings
-from prefill_node.engine import PrefillEngine, PrefillTask
+from common.request import Request, SamplingParams
+from decode_node.scheduler import DecodeScheduler
+from prefill_node.engine import PrefillEngine
 
 logger = logging.getLogger(__name__)
 
@@ -27,84 +27,76 @@ class ColocatedWorker(WorkerBase):
 
     role = "colocated"
 
-    def __init__(self, name: str, router: str, device: str = "cpu",
-                 log_dir: str | None = None, local_models: dict[str, str] | None = None
-                 ) -> None:
-        super().__init__(name, router, device, log_dir, local_models=local_models)
+    def build(self) -> None:
         cfg = self.config
         self.model, cache, self.runner = self.make_cache(cfg.decode_pages)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
                                     with_draft=cfg.with_draft)
-        self.side = DecodeSide(name, cfg, cache, self.runner, self.send, device=device,
-                               log_dir=log_dir, log=logger, who=name, instead="computing")
-        watch_host(self.metrics, self.side.off)
-        self.report_ready()
+        self.scheduler = DecodeScheduler(
+            self.name, cfg, cache, self.runner, self.send, self._stop_prefill,
+            device=self.device, log_dir=self.log_dir, who=self.name, instead="computing")
+        watch_host(self.metrics, self.scheduler.offloader)
 
     def on_abort(self, rid: str) -> None:
-        item = self.side.admission.find(rid)
-        if item is not None:
-            self._end(item, "aborted")
+        req = self.scheduler.find(rid)
+        if req is not None:
+            self.scheduler.end(req, "aborted")
 
     def on_req(self, msg: Req) -> None:
         rid = msg.rid
         try:
             params = SamplingParams.from_dict(msg.params)
             prompt = unpack_ids(msg.prompt, "prompt").tolist()
-            if not prompt or self.side.admission.find(rid):
+            if not prompt or self.scheduler.find(rid) is not None:
                 raise ValueError(f"{rid}: empty prompt or rid already in flight")
         except ValueError as exc:
             self.send(Done(rid, "error", error=str(exc)))
             return
-        self.side.admission.enqueue(WorkItem(rid, prompt, params))
+        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label))
 
     def tick(self) -> bool:
-        self.side.reap()
+        self.scheduler.reap()
         busy = self._admit()
         if self.engine.has_work:
-            _, finished = self.engine.step()
-            for task in finished:
-                self._start_decoding(self.side.admission.admitted[task.rid],
-                                     task.first_token)
             busy = True
-        if len(self.side.batch):
-            for item, seq in self.side.step():
-                self.side.finish(item, seq)
-            busy = True
-        return busy
+            try:
+                _, finished = self.engine.step()
+            except Exception as exc:  # contained: the pass's requests fail
+                logger.exception("%s: a prefill pass failed", self.name)
+                for req in self.engine.batch:
+                    self.scheduler.end(req, "error", f"{self.name}: a prefill pass failed "
+                                       f"({type(exc).__name__}: {exc}); retry it")
+                finished = []
+            for req in finished:
+                self.scheduler.start_decoding(req)
+        return self.scheduler.step() or busy
 
     def _admit(self) -> bool:
-        """Admit what fits, load each prompt's cached prefix (committed) and queue the
-        rest of the prompt for prefill; True if any request was admitted."""
+        """Admit what fits (its cached prefix loaded and committed) and queue the rest of
+        each prompt for prefill; True if any request was admitted."""
         any_admitted = False
-        while (item := self.side.admission.admit_next()) is not None:
+        while (req := self.scheduler.admit_next(commit_prefix=True)) is not None:
             any_admitted = True
-            start = self.side.load_prefix(item, commit=True)
-            if start is None:  # requeued without reuse, or failed
-                continue
-            item.state = ReqState.PREFILLING
-            self.engine.add(PrefillTask(item.rid, item.prompt, item.params, item.kv,
-                                        done=start))
+            self.scheduler.prefilling(req)
+            self.engine.add(req)
         return any_admitted
 
-    def _start_decoding(self, item: WorkItem, first_token: int) -> None:
-        seq = self.side.start_decoding(item, first_token)
-        if seq is not None:
-            self.side.finish(item, seq)
-
-    def _end(self, item: WorkItem, reason: str, detail: str = "") -> None:
-        self.engine.remove(item.rid)
-        self.side.end(item, reason, detail)
+    def _stop_prefill(self, req: Request, reason: str, detail: str) -> None:
+        """The scheduler ends a request that is still prefilling."""
+        self.engine.remove(req.rid)
 
     def load(self) -> Load:
-        return self.side.load(running=len(self.engine.tasks))
+        return self.scheduler.load(running=len(self.engine.tasks))
 
     def stats(self) -> dict:
-        return self.side.stats({"tokens_computed": self.engine.num_tokens_computed})
+        return self.scheduler.stats({"tokens_computed": self.engine.num_tokens_computed})
 
     def metric_readings(self) -> list:
-        return side_readings(self.side)
+        return self.scheduler.metric_readings()
 
-    def close(self) -> None:
-        self.side.abort_all(self._end)
-        self.side.close()
-        super().close()
+    def abandon(self, detail: str) -> None:
+        self.scheduler.abort_all(detail)
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_all()
+        self.scheduler.close()

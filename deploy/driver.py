@@ -69,7 +69,7 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
           aborts: dict[str, float] | None = None, abort_after_tokens: dict[str, int] | None = None,
           check: Callable[[], None] | None = None,
           progress: Callable[[int, int], None] | None = None,
-          timeout_s: float = 600.0) -> dict[str, Result]:
+          timeout_s: float = 600.0, lease_s: float = 10.0) -> dict[str, Result]:
     """Send ``requests`` at their arrival times and wait for every result.
 
     Args:
@@ -78,9 +78,12 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
         abort_after_tokens: rid -> the client aborts it once this many tokens arrived.
         check: called every loop (the launcher's liveness check raises when a worker died).
         progress: called with (done, total) when a request completes.
+        lease_s: the router silent this long (it is pinged meanwhile) is lost: every
+            unfinished request ends with reason ``error`` (``router_lost`` says so).
     Raises:
         TimeoutError: not every request ended within ``timeout_s``.
     """
+    run = client.ping(lease_s)       # the router incarnation these requests go to
     session = _Session(client, requests, params or {}, dict(aborts or {}),
                        dict(abort_after_tokens or {}))
     deadline = session.t0 + timeout_s
@@ -89,9 +92,25 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
             raise TimeoutError(f"{len(requests) - session.done} requests unfinished after "
                                f"{timeout_s}s")
         session.step(progress)
+        silent = client.keep_alive(lease_s / 4)
+        if silent > lease_s:
+            session.router_lost(f"the router at {client.address} has been silent for "
+                                f"{silent:.1f} s (lease {lease_s:g} s): it died or is "
+                                "unreachable")
+        elif client.run != run:
+            session.router_lost(f"the router at {client.address} restarted; the requests "
+                                "it held are gone")
         if check is not None:
             check()
     return session.results
+
+
+def router_lost(results: dict[str, Result]) -> str:
+    """The error of requests that ended because the router went away ('' if none)."""
+    return next((r.error for r in results.values() if r.error.startswith(_LOST)), "")
+
+
+_LOST = "router lost: "
 
 
 class _Session:
@@ -105,6 +124,15 @@ class _Session:
                         for r in requests}
         self.t0 = time.monotonic()
         self.next_i = self.done = 0
+
+    def router_lost(self, why: str) -> None:
+        """End every request still in flight: the router that serves them is gone."""
+        now = time.monotonic()
+        for res in self.results.values():
+            if not res.reason:
+                res.reason, res.error, res.t_done = "error", _LOST + why, now
+                self.done += 1
+        self.next_i = len(self.requests)
 
     def step(self, progress: Callable[[int, int], None] | None) -> None:
         """Submit what is due, send due aborts, wait for messages until the next arrival."""

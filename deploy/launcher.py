@@ -143,13 +143,9 @@ class Cluster:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> Cluster:
         """Start every process and wait for every ready signal (deadline from config)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
             for p in self.procs:
-                with open(p.log, "ab") as log:
-                    p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, env=env,
-                                               preexec_fn=_die_with_parent)
+                self._spawn(p)
             self.client = Client(self.router_addr, "launcher")
             self._wait_ready()
         except BaseException:
@@ -157,9 +153,32 @@ class Cluster:
             raise
         return self
 
-    def _wait_ready(self) -> None:
+    def _spawn(self, p: Proc) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(p.log, "ab") as log:
+            p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=env,
+                                       preexec_fn=_die_with_parent)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kill process ``name`` (if it runs) with ``sig`` and start it again with the
+        same command line; a worker registers again under its name, a router binds the
+        same address and the workers rejoin it (faults in tests and soak runs). Call it
+        from the thread that started the cluster: a child is signalled when the thread
+        that started it ends (``PR_SET_PDEATHSIG``)."""
+        p = next(p for p in self.procs if p.name == name)
+        if p.popen is not None and p.popen.poll() is None:
+            p.popen.send_signal(sig)
+            p.popen.wait(30)
+        self._spawn(p)
+
+    def wait_ready(self, names: set[str] | None = None) -> None:
+        """Wait until the router reports every worker (or ``names``) ready."""
+        self._wait_ready(names)
+
+    def _wait_ready(self, names: set[str] | None = None) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
-        want = {p.name for p in self.procs if p.role != "router"}
+        want = names or {p.name for p in self.procs if p.role != "router"}
         while time.monotonic() < deadline:
             self.check()
             try:
@@ -167,7 +186,7 @@ class Cluster:
             except TimeoutError:
                 continue
             workers, self.metrics_url = status.workers, status.metrics_url
-            ready = {n for n, w in workers.items() if w["ready"]}
+            ready = {n for n, w in workers.items() if w["ready"] and not w["lost"]}
             if want <= ready:
                 logger.info("launcher: %d workers ready", len(want))
                 return

@@ -67,3 +67,4 @@ def admits_at_once(decode: WorkerInfo, row_len: int, config: ServeConfig) -> boo
     rounding = config.page_size * (decode.routed + 1)
     return (decode.assigned + row_len + rounding <= decode.pool_tokens
             and decode.routed < config.max_running)
+

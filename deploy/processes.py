@@ -69,6 +69,7 @@ def _build(args: argparse.Namespace, name: str):
     local = {field: str(Path(value).expanduser().resolve()) for field, value in
              (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
     common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
+                  register_timeout_s=getattr(args, "connect_timeout", 60.0),
                   local_models=local)
     if args.command == "prefill":
         from prefill_node.worker import PrefillWorker

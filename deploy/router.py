@@ -21,16 +21,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
-from common.codec import pack_ids, unpack_ids
+from common.codec import pack_ids
 from common.config import ServeConfig
-from common.model import Tokenizer
 from common.node import (
     Abort,
     Bye,
+    ControlHub,
     Done,
     Error,
     Hub,
@@ -54,52 +53,32 @@ from common.node import (
     Submit,
     Tokens,
 )
-from common.request import BadRequest, SamplingParams, validate
-from deploy.placement import WorkerInfo, admits_at_once, max_tokens, pick
+from common.request import BadRequest, SamplingParams
+from deploy.door import Door
+from deploy.placement import WorkerInfo, admits_at_once, pick
 from deploy.router_metrics import RouterMetrics
-from deploy.text_route import TextRoute, encode_prompt
+from deploy.routes import Route, RouteTable
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
-_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled, Error)
+_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
 """Accepted only from a peer that registered as a worker."""
-
-
-@dataclass
-class Route:
-    """One request in flight: who asked, who serves it, what each worker reported."""
-
-    rid: str
-    client: bytes
-    decode: str
-    prefill: str
-    prompt_len: int
-    row_len: int
-    t_submit: float
-    decode_done: Done | None = None
-    prefill_info: Prefilled | None = None
-    t_grace: float = 0.0
-    t_kv_wall: float = 0.0
-    """Wall clock when the decode held all KV and the first token (0: not yet)."""
-    aborted_by_client: bool = False
-    text: TextRoute | None = None
-    """A text request: its detokenizer and stop strings."""
 
 
 class Router:
     """The router's state and message handlers; ``serve`` runs its loop."""
 
-    def __init__(self, address: str, config: ServeConfig, metrics_host: str = "127.0.0.1",
-                 metrics_port: int | None = None) -> None:
+    def __init__(self, address: str | ControlHub, config: ServeConfig,
+                 metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> None:
+        """``address``: where to bind, or a ``ControlHub`` already made (tests)."""
         self.config = config
-        self.mcfg = config.model_config()
-        self._tokenizer: Tokenizer | None = None  # built at the first text request
+        self.door = Door(config)
         self.ctx = zmq.Context()
-        self.hub = Hub(self.ctx, address)
+        self.hub = address if isinstance(address, ControlHub) else Hub(self.ctx, address)
         self.address = self.hub.address
         self.workers: dict[str, WorkerInfo] = {}
         self.by_peer: dict[bytes, str] = {}
-        self.routes: dict[str, Route] = {}
+        self.routes = RouteTable()
         self.errors: Counter[str] = self.hub.errors
         """Refused messages by ``Error`` code (undecodable ones counted by the hub)."""
         self.shutdown_by: bytes | None = None
@@ -139,6 +118,12 @@ class Router:
                          f"the router does not take {type(msg).__name__}")
             return
         name = self.by_peer.get(peer)
+        if name is not None and self.workers[name].lost and not isinstance(msg, Register):
+            # it was stopped or cut off past the lease; its requests failed: it must
+            # register again before it serves (WorkerBase does, on this answer)
+            self.hub.send(peer, Error("", f"worker {name} was declared lost; register "
+                                      "again", "lost"))
+            return
         if name is not None:
             self.workers[name].last_seen = time.monotonic()
         elif isinstance(msg, _WORKER_MESSAGES):
@@ -157,16 +142,32 @@ class Router:
         self.hub.send(peer, Error(msg.rid, f"malformed message: {msg.detail}", msg.code))
 
     def _on_error(self, peer: bytes, msg: Error) -> None:
-        logger.warning("router: %s reports an error (%s) for %r: %s", self.by_peer[peer],
-                       msg.code, msg.rid, msg.error)
+        # logged, never answered: an error about an error would bounce forever
+        logger.warning("router: %s reports an error (%s) for %r: %s",
+                       self.by_peer.get(peer, peer), msg.code, msg.rid, msg.error)
 
     # -- workers -------------------------------------------------------------------------
     def _on_register(self, peer: bytes, msg: Register) -> None:
         old = self.workers.get(msg.name)
-        if msg.role not in ("prefill", "decode", "colocated") or (old and not old.lost):
-            self._refuse(peer, "", "refused", f"role {msg.role!r} or name {msg.name!r} "
-                         "refused (roles: prefill, decode, colocated; names unique)")
+        if msg.role not in ("prefill", "decode", "colocated"):
+            self._refuse(peer, "", "refused", f"role {msg.role!r} refused; roles: prefill, "
+                         "decode, colocated")
             return
+        if old is not None and not old.lost and old.peer != peer:
+            # a restarted worker under its old name: take it if the old one is gone
+            if self.hub.send(old.peer, Ping()):
+                self._refuse(peer, "", "name_taken", f"name {msg.name!r} is taken by a live "
+                             f"worker (pid {old.pid}); names are unique. If it died, it is "
+                             f"released within the lease ({self.config.lease_s:g} s)")
+                return
+            self._lose(old, "unreachable (a new process took its name)")
+        if old is not None and not old.lost and not old.ready:
+            self.hub.send(peer, Registered(self.config.to_dict()))  # a repeat: same answer
+            return
+        if old is not None and not old.lost:  # the same process again: it dropped its work
+            self._lose(old, "registered again")
+        if old is not None:
+            logger.warning("router: %s (%s) rejoins (pid %s)", msg.name, msg.role, msg.pid)
         self.workers[msg.name] = WorkerInfo(msg.name, msg.role, peer, msg.pid,
                                             last_seen=time.monotonic())
         self.by_peer[peer] = msg.name
@@ -186,25 +187,33 @@ class Router:
 
     def _on_metrics_report(self, peer: bytes, msg: MetricsReport) -> None:
         w = self.workers[self.by_peer[peer]]   # the registered name, not the message's
-        if w.lost:
-            return  # a late report must not bring a lost worker's series back
         if not self.metrics.report(w.name, w.role, msg.families, msg.final):
             self.errors["bad_field"] += 1
 
     def _on_metrics_query(self, peer: bytes, msg: MetricsQuery) -> None:
         self.hub.send(peer, MetricsSnapshot(self.metrics.snapshot()))
 
+    def _route_of(self, peer: bytes, rid: str, role: str) -> Route | None:
+        """The route ``rid`` if the worker at ``peer`` serves it as ``role``; a late or
+        stray report (a request that ended, a worker of a past incarnation) is dropped."""
+        route = self.routes.get(rid)
+        if route is None or self.by_peer.get(peer) != getattr(route, role):
+            self.errors["stray_report"] += 1
+            return None
+        return route
+
     def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
-        route = self.routes.get(msg.rid)
-        if route is not None:
-            self.metrics.tokens(msg.rid, len(msg.ids))
-            if msg.t_kv_wall:
-                route.t_kv_wall = msg.t_kv_wall
-                msg = dataclasses.replace(msg, t_kv_wall=0.0)
-            if route.text is not None:
-                msg = self._text_tokens(route, msg)
-            if msg.ids:
-                self.hub.send(route.client, msg)
+        route = self._route_of(peer, msg.rid, "decode")
+        if route is None:
+            return
+        self.metrics.tokens(route.rid, len(msg.ids))
+        if msg.t_kv_wall:
+            route.t_kv_wall = msg.t_kv_wall
+        msg = dataclasses.replace(msg, rid=route.label, t_kv_wall=0.0)
+        if route.text is not None:
+            msg = self._text_tokens(route, msg)
+        if msg.ids:
+            self.hub.send(route.client, msg)
 
     def _text_tokens(self, route: Route, msg: Tokens) -> Tokens:
         """Detokenize; a stop string ends the output here: the workers are told to stop."""
@@ -218,8 +227,8 @@ class Router:
         return dataclasses.replace(msg, ids=ids, text=text)
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
-        route = self.routes.get(msg.rid)
-        if route is None:
+        route = self._route_of(peer, msg.rid, "decode")
+        if route is None or route.decode_done is not None:
             return
         route.decode_done = msg
         route.t_grace = time.monotonic() + _PREFILL_GRACE_S
@@ -229,8 +238,8 @@ class Router:
         self._maybe_finalize(route)
 
     def _on_prefilled(self, peer: bytes, msg: Prefilled) -> None:
-        route = self.routes.get(msg.rid)
-        if route is None:
+        route = self._route_of(peer, msg.rid, "prefill")
+        if route is None or route.prefill_info is not None:
             return
         route.prefill_info = msg
         self._release(route.prefill, route.prompt_len)
@@ -238,66 +247,37 @@ class Router:
 
     # -- clients -------------------------------------------------------------------------
     def _on_submit(self, peer: bytes, msg: Submit) -> None:
-        rid = msg.rid
         try:
-            if rid in self.routes:
-                raise BadRequest(f"rid {rid!r} is already in flight")
-            params = SamplingParams.from_dict(msg.params)
-            prompt, params, text = self._prompt(msg, params)
-            validate(prompt, params, vocab_size=self.mcfg.vocab_size,
-                     max_tokens=max_tokens(self.workers.values()),
-                     max_new_tokens_limit=self.config.max_new_tokens_limit)
+            rid = self.routes.new_rid(peer, msg.rid)
+            prompt, params, text = self.door.admit(msg, self.workers.values())
             decode, prefill = pick(self.workers.values(), len(prompt),
                                    len(prompt) + params.max_new_tokens)
         except BadRequest as exc:
             self.errors["bad_request"] += 1
-            self.hub.send(peer, Error(rid, str(exc), "bad_request"))
+            self.hub.send(peer, Error(msg.rid, str(exc), "bad_request"))
             return
-        self._route(peer, rid, prompt, params, decode, prefill, text)
+        self._route(Route(rid, msg.rid, peer, decode.name, prefill.name if prefill else "",
+                          len(prompt), len(prompt) + params.max_new_tokens,
+                          time.monotonic(), text=text), prompt, params, decode, prefill)
 
-    def _prompt(self, msg: Submit, params: SamplingParams
-                ) -> tuple[list[int], SamplingParams, TextRoute | None]:
-        """Token ids of the prompt; a text request is encoded, gets the model's eos ids as
-        stop ids and a ``TextRoute`` (docs/models.md)."""
-        if not (msg.text or msg.messages):
-            if msg.stop:
-                raise BadRequest("stop strings need a text request (text or messages)")
-            try:
-                return unpack_ids(msg.prompt, "prompt").tolist(), params, None
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
-        if msg.prompt:
-            raise BadRequest("send exactly one of prompt token ids, text or messages")
-        if self._tokenizer is None:
-            self._tokenizer = Tokenizer.for_model(self.mcfg)
-        tok = self._tokenizer
-        prompt = encode_prompt(tok, msg.text, msg.messages)
-        stops = tuple(dict.fromkeys((*params.stop_token_ids, *tok.eos_token_ids)))
-        params = dataclasses.replace(params, stop_token_ids=stops)
-        return prompt, params, TextRoute(tok, prompt, msg.stop)
-
-    def _route(self, client: bytes, rid: str, prompt: list[int], params: SamplingParams,
-               decode: WorkerInfo, prefill: WorkerInfo | None,
-               text: TextRoute | None = None) -> None:
-        row_len = len(prompt) + params.max_new_tokens
-        route = Route(rid, client, decode.name, prefill.name if prefill else "", len(prompt),
-                      row_len, time.monotonic(), text=text)
-        self.routes[rid] = route
-        self.metrics.submitted(rid, route.t_submit)
-        eager = admits_at_once(decode, row_len, self.config)
-        decode.assigned += row_len
+    def _route(self, route: Route, prompt: list[int], params: SamplingParams,
+               decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+        self.routes.add(route)
+        self.metrics.submitted(route.rid, route.t_submit)
+        eager = admits_at_once(decode, route.row_len, self.config)
+        decode.assigned += route.row_len
         decode.routed += 1
-        req = Req(rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
+        req = Req(route.rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
                   prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
-                  eager=eager)
+                  eager=eager, label=route.label)
         self._send_worker(decode.name, req)
         if prefill is not None:
             prefill.assigned += len(prompt)
             self._send_worker(prefill.name, req)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
-        route = self.routes.get(msg.rid)
-        if route is None or route.client != peer:
+        route = self.routes.of_client(peer, msg.rid)
+        if route is None:
             self.errors["unknown_rid"] += 1
             self.hub.send(peer, Error(msg.rid, f"abort: unknown rid {msg.rid!r} (not in "
                                       "flight)", "unknown_rid"))
@@ -312,7 +292,7 @@ class Router:
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
                      for w in self.workers.values()},
             in_flight=len(self.routes), config=self.config.to_dict(),
-            errors=dict(self.errors), metrics_url=self.metrics.url))
+            errors=dict(self.errors), metrics_url=self.metrics.url, nonce=msg.nonce))
 
     def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
         logger.info("router: shutdown requested")
@@ -322,7 +302,7 @@ class Router:
                 self.hub.send(w.peer, Shutdown())
 
     def _on_ping(self, peer: bytes, msg: Ping) -> None:
-        self.hub.send(peer, Pong())
+        self.hub.send(peer, Pong(self.routes.run, msg.nonce))
 
     # -- helpers -------------------------------------------------------------------------
     def _release(self, name: str, tokens: int) -> None:
@@ -337,50 +317,29 @@ class Router:
             self._lose(w, "unreachable")
 
     def _maybe_finalize(self, route: Route, force: bool = False) -> None:
-        done = route.decode_done
-        if done is None or (route.prefill and route.prefill_info is None and not force):
+        if route.decode_done is None or (route.prefill and route.prefill_info is None
+                                         and not force):
+            return
+        if not self.routes.pop(route):
             return
         if route.text is not None and (tail := route.text.finish()):
-            self.hub.send(route.client, Tokens(route.rid, [], text=tail))  # held-back text
-        final = self._final(route, done, route.prefill_info)
+            self.hub.send(route.client, Tokens(route.label, [], text=tail))  # held back
+        final = route.final()
         self.hub.send(route.client, final)
         self.metrics.finished(route.rid, final.reason)
-        del self.routes[route.rid]
-
-    @staticmethod
-    def _final(route: Route, done: Done, info: Prefilled | None) -> Done:
-        """The client's ``Done``: the decode's, with the prefill's figures and words."""
-        if route.text is not None:
-            if route.text.stopped:  # the router stopped it: the decode saw an abort
-                done = dataclasses.replace(done, reason="stop", error="",
-                                           n=route.text.num_ids)
-            done = dataclasses.replace(done, text=route.text.text)
-        done = dataclasses.replace(done, prompt_tokens=route.prompt_len)
-        out = done
-        if route.aborted_by_client and not done.ok:
-            out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
-        if info is None:
-            return out
-        out = dataclasses.replace(out, xfer_s=info.xfer_s, kv_bytes=info.kv_bytes)
-        if info.error and not done.ok:
-            # the prefill's words name the cause; the decode's only say the transfer ended
-            out = dataclasses.replace(out, error=info.error + (
-                f" (decode: {done.error})" if done.error else ""))
-        if info.t_finish_wall and route.t_kv_wall:
-            # exposed transfer: prefill's last chunk computed -> decode holds KV + token
-            out = dataclasses.replace(out, xfer_s=max(0.0, route.t_kv_wall
-                                                      - info.t_finish_wall))
-        return out
 
     def _fail(self, route: Route, reason: str, error: str) -> None:
+        """End ``route`` before its decode finished: tell the client, abort its workers.
+        Re-entrant: aborting a worker may find it gone and fail its other routes."""
+        if not self.routes.pop(route):
+            return
+        self.hub.send(route.client, Done(route.label, reason, error=error))
+        self.metrics.finished(route.rid, reason)
+        self._release(route.decode, route.row_len if route.decode_done is None else 0)
+        self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
         for name in (route.decode, route.prefill):
             if name and route.decode_done is None:
                 self._send_worker(name, Abort(route.rid))
-        self._release(route.decode, route.row_len if route.decode_done is None else 0)
-        self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
-        self.hub.send(route.client, Done(route.rid, reason, error=error))
-        self.metrics.finished(route.rid, reason)
-        del self.routes[route.rid]
 
     def _lose(self, w: WorkerInfo, why: str) -> None:
         if w.lost:
@@ -388,7 +347,7 @@ class Router:
         w.lost = True
         self.metrics.lost(w.name, w.role)
         logger.error("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
-        for route in list(self.routes.values()):
+        for route in self.routes:
             if w.name in (route.decode, route.prefill) and route.decode_done is None:
                 self._fail(route, "error", f"worker {w.name} lost: {why}")
 
@@ -399,9 +358,12 @@ class Router:
                 if not w.lost:
                     self.hub.send(w.peer, Ping())
         for w in list(self.workers.values()):
-            if not w.lost and now - w.last_seen > self.config.lease_s:
-                self._lose(w, f"silent for {now - w.last_seen:.1f}s")
-        for route in list(self.routes.values()):
+            # a worker building its model answers nothing: startup has its own deadline
+            limit = self.config.lease_s if w.ready else self.config.ready_timeout_s
+            if not w.lost and now - w.last_seen > limit:
+                self._lose(w, f"silent for {now - w.last_seen:.1f}s" if w.ready else
+                           f"not ready within {limit:.0f}s of registering")
+        for route in self.routes:
             if route.decode_done is not None and now >= route.t_grace:
                 self._maybe_finalize(route, force=True)
             elif route.decode_done is None and now - route.t_submit > \

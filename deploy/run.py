@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.config import DEFAULT, ServeConfig, resolve_model
 from common.freelog import replay_file
-from deploy.driver import Result, drive
+from deploy.driver import Result, drive, router_lost
 from deploy.launcher import Cluster, WorkerDied
 from deploy.summary import format_summary, summarize
 from deploy.workload import WorkloadSpec, make_workload
@@ -45,16 +45,19 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def serve_workload(cluster: Cluster, spec: WorkloadSpec, progress: bool = False,
-                   aborts: dict[str, float] | None = None
+                   aborts: dict[str, float] | None = None, params: dict | None = None
                    ) -> tuple[dict[str, Result], dict, float]:
-    """Run ``spec`` through a started cluster; returns (results, worker stats, wall s).
-    Stops the cluster (clean shutdown) before returning."""
+    """Run ``spec`` through a started cluster (``params``: extra sampling parameters of
+    every request); returns (results, worker stats, wall s). Stops the cluster (clean
+    shutdown) before returning."""
     requests = make_workload(spec, cluster.config.model_config().vocab_size)
     show = _progress_line if progress else None
     t0 = time.monotonic()
     try:
-        results = drive(cluster.client, requests, aborts=aborts, check=cluster.check,
-                        progress=show, timeout_s=cluster.config.request_timeout_s)
+        results = drive(cluster.client, requests, params=params, aborts=aborts,
+                        check=cluster.check,
+                        progress=show, timeout_s=cluster.config.request_timeout_s,
+                        lease_s=cluster.config.lease_s)
     finally:
         if progress:
             sys.stderr.write("\n")
@@ -124,11 +127,16 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
     try:
         status = client.status(10.0)
         workers = status.workers
-        vocab = ServeConfig.from_dict(status.config).model_config().vocab_size
-        requests = make_workload(workload_from_args(args), vocab)
+        cfg = ServeConfig.from_dict(status.config)
+        requests = make_workload(workload_from_args(args), cfg.model_config().vocab_size)
         t0 = time.monotonic()
-        results = drive(client, requests, progress=_progress_line if progress else None)
+        results = drive(client, requests, progress=_progress_line if progress else None,
+                        lease_s=cfg.lease_s)
         wall = time.monotonic() - t0
+        if lost := router_lost(results):
+            _write_output(args, results)
+            print(f"pdkv run: FAILED: {lost}", file=sys.stderr)
+            return 2
         stats = client.shutdown() if args.shutdown else {}
     except TimeoutError as exc:
         print(f"pdkv run: FAILED: {exc}", file=sys.stderr)
@@ -146,10 +154,7 @@ def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
     """Replay the free logs, write --output, print the summary; the exit status."""
     problems = replay_all(freelogs)
     summary["freelogs"], summary["freelog_violations"] = len(freelogs), len(problems)
-    if args.output:
-        with open(args.output, "w") as f:
-            for rid in sorted(results):
-                f.write(json.dumps(results[rid].to_json()) + "\n")
+    _write_output(args, results)
     if args.json:
         print(json.dumps({"mode": args.mode, "layout": layout, **summary}))
     else:
@@ -163,3 +168,11 @@ def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
               f"logs kept in {log_dir}", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_output(args: argparse.Namespace, results: dict[str, Result]) -> None:
+    """``--output``: one JSON line per request (the finished ones and why others ended)."""
+    if args.output:
+        with open(args.output, "w") as f:
+            for rid in sorted(results):
+                f.write(json.dumps(results[rid].to_json()) + "\n")

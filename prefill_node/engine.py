@@ -1,45 +1,26 @@
 """Chunked prefill over rows of a ``KvCache``: the compute half of a prefill worker.
 
-The engine owns no sockets and frees nothing: the worker admits a request (opens and
-extends its row), hands it here as a ``PrefillTask``, and after each ``step`` learns which
-prompt positions now hold KV and which requests computed their first token.
+The engine owns no sockets and frees nothing: the worker admits a ``Request`` (opens and
+extends its row), hands it here, and after each ``step`` learns which requests advanced
+(``num_computed`` grew) and which computed their first token (appended to ``output``).
 
 Each step builds one batched forward pass: requests in arrival order, each contributing at
 most ``chunk_size`` prompt tokens, ``max_prefill_tokens`` in all. When the pool carries
 draft layers the draft model's KV of the same chunk is computed too (speculative decoding
 starts warm on the decode side).
 
-Prefix-cache seam: a task whose first ``done`` prompt tokens already hold KV (loaded from
-a host tier) is added with ``done`` set; the engine computes only the rest.
+Prefix-cache seam: a request whose first ``num_computed`` prompt tokens already hold KV
+(loaded from a host tier) computes only the rest.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-from common.kv import KvRecord
 from common.model import BatchItem, ModelRunner, sample
-from common.request import SamplingParams
+from common.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillTask:
-    """One request being prefilled; ``kv.allocated_len >= len(prompt)``."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    kv: KvRecord
-    done: int = 0
-    """Prompt positions [0, done) hold KV (computed or loaded)."""
-    first_token: int | None = None
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt) - self.done
 
 
 class PrefillEngine:
@@ -57,15 +38,18 @@ class PrefillEngine:
         self.runner, self.cache = runner, runner.cache
         self.chunk_size, self.max_tokens = chunk_size, max_tokens
         self.with_draft = with_draft
-        self.tasks: dict[str, PrefillTask] = {}
+        self.tasks: dict[str, Request] = {}
+        self.batch: list[Request] = []
+        """The requests of the last (or failing) step."""
         self.num_tokens_computed = 0
 
-    def add(self, task: PrefillTask) -> None:
-        assert task.kv.allocated_len >= len(task.prompt), (task.rid, task.kv)
-        assert task.rid not in self.tasks, task.rid
-        self.tasks[task.rid] = task
+    def add(self, req: Request) -> None:
+        """Prefill ``req`` from ``num_computed``; its row holds the whole prompt."""
+        assert req.kv is not None and req.kv.allocated_len >= req.prompt_len, req.rid
+        assert req.rid not in self.tasks and not req.output, req.rid
+        self.tasks[req.rid] = req
 
-    def remove(self, rid: str) -> PrefillTask | None:
+    def remove(self, rid: str) -> Request | None:
         """Stop prefilling ``rid`` (abort); the caller frees its row."""
         return self.tasks.pop(rid, None)
 
@@ -73,39 +57,41 @@ class PrefillEngine:
     def has_work(self) -> bool:
         return bool(self.tasks)
 
-    def step(self) -> tuple[list[PrefillTask], list[PrefillTask]]:
-        """Run one pass. Returns (tasks that advanced, tasks that finished); finished tasks
-        carry ``first_token`` and leave the engine."""
+    def step(self) -> tuple[list[Request], list[Request]]:
+        """Run one pass. Returns (requests that advanced, requests that finished their
+        prompt); finished ones carry their first token in ``output`` and leave."""
         batch = self._schedule()
+        self.batch = [r for r, _ in batch]
         if not batch:
             return [], []
-        items = [BatchItem(t.kv, t.prompt[t.done:t.done + n], t.done) for t, n in batch]
+        items = [BatchItem(r.kv, r.prompt[r.num_computed:r.num_computed + n], r.num_computed)
+                 for r, n in batch]
         logits = self.runner.forward(items)
         if self.with_draft:
             self.runner.forward(items, draft=True)
         finished = []
-        for i, (task, n) in enumerate(batch):
-            self.cache.commit(task.kv, n)
-            task.done += n
+        for i, (req, n) in enumerate(batch):
+            self.cache.commit(req.kv, n)
+            req.num_computed += n
             self.num_tokens_computed += n
-            if task.remaining == 0:
-                finished.append((i, task))
+            if req.prompt_remaining == 0:
+                finished.append((i, req))
         if finished:
             rows = logits[[i for i, _ in finished]]
-            tokens = sample(rows, [t.params for _, t in finished],
-                            [t.rid for _, t in finished], [0] * len(finished))
-            for (_, task), tok in zip(finished, tokens):
-                task.first_token = tok
-                del self.tasks[task.rid]
-        return [t for t, _ in batch], [t for _, t in finished]
+            tokens = sample(rows, [r.params for _, r in finished],
+                            [r.label for _, r in finished], [0] * len(finished))
+            for (_, req), tok in zip(finished, tokens):
+                req.output.append(tok)
+                del self.tasks[req.rid]
+        return [r for r, _ in batch], [r for _, r in finished]
 
-    def _schedule(self) -> list[tuple[PrefillTask, int]]:
+    def _schedule(self) -> list[tuple[Request, int]]:
         budget, batch = self.max_tokens, []
-        for task in self.tasks.values():
+        for req in self.tasks.values():
             if budget <= 0:
                 break
-            n = min(self.chunk_size, task.remaining, budget)
+            n = min(self.chunk_size, req.prompt_remaining, budget)
             if n > 0:
-                batch.append((task, n))
+                batch.append((req, n))
             budget -= n
         return batch

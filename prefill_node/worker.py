@@ -14,10 +14,13 @@ A request's steps on this worker:
    row with its reason at any stage; the sender's pins keep pages in flight out of reuse.
 
 A prefix load from the host tier that does not end within ``prefix_load_timeout_s``
-costs only the cached prefix, never the worker: the row is freed (``timeout``; the load's
-pins keep its pages out of reuse until the copy ends), the request goes back to QUEUED
-with reuse off and is prefilled from position 0 in a new row. Any other exception while
-admitting one request fails that request alone (``error``, reported to the router).
+costs only the cached prefix, never the worker (``common.host.PrefixReuse``): the row
+is freed (``timeout``), the request stays QUEUED with reuse off and is prefilled from
+position 0 in a new row. Any other exception while admitting one request fails that
+request alone (FAILED, ``error``, reported to the router).
+
+``_move`` is the only writer of a request's state on this worker; ``_free_request`` is
+its one end (the row freed once, with the reason, and ``Prefilled`` to the router).
 """
 
 from __future__ import annotations
@@ -25,40 +28,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 from common.codec import unpack_ids
-from common.host import close_offloader, host_salt, make_offloader
-from common.kv import ceil_div
+from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
+from common.kv import FreeReason, ceil_div
 from common.metrics import host_readings, watch_host
-from common.node import Load, Prefilled, Req, WorkerBase
-from common.request import ReqState, SamplingParams
-from prefill_node.engine import PrefillEngine, PrefillTask
-from prefill_node.prefix_reuse import PrefixReuse
+from common.node import ControlLink, Load, Prefilled, Req, WorkerBase
+from common.request import ReqState, Request, SamplingParams, check_transition
+from prefill_node.busy import BusyTime
+from prefill_node.engine import PrefillEngine
 from transport import EventKind, KvSender, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
 _FORGET = 4096  # aborted-before-announce rids remembered
-
-
-@dataclass
-class PrefillReq:
-    """A request on this worker; ``task`` is set once its row is open."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    state: ReqState = ReqState.QUEUED
-    task: PrefillTask | None = None
-    announced: bool = False
-    eager: bool = False
-    """Compute before the decode announced (the router saw room at the decode)."""
-    reuse: bool = True
-    """Load a cached prefix from the host tier (off after a prefix load timed out)."""
-    t_first_send: float = 0.0
-    t_finish: float = 0.0
-    num_sent_pages: int = 0
-    """Pages the transfer carried (the prompt's, less those the decode had cached)."""
 
 
 class PrefillWorker(WorkerBase):
@@ -71,36 +53,42 @@ class PrefillWorker(WorkerBase):
 
     role = "prefill"
 
-    def __init__(self, name: str, router: str, kv_bind: str, kv_advertise: str = "",
-                 device: str = "cpu", log_dir: str | None = None,
+    def __init__(self, name: str, router: str | ControlLink, kv_bind: str,
+                 kv_advertise: str = "", device: str = "cpu", log_dir: str | None = None,
+                 register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None) -> None:
-        super().__init__(name, router, device, log_dir, local_models=local_models)
-        cfg = self.config
+        super().__init__(name, router, device, log_dir, register_timeout_s,
+                         local_models=local_models)
+        self.kv_bind, self.kv_advertise = kv_bind, kv_advertise
+        self.reqs: OrderedDict[str, Request] = OrderedDict()
+        self.early_ready: set[str] = set()
+        self.dropped: deque[str] = deque(maxlen=_FORGET)
+        self.busy = BusyTime()
+        """Time some transfer was streaming (the union of each request's send window)."""
+        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0}
+
+    def build(self) -> None:
+        cfg, name = self.config, self.name
         self.model, cache, self.runner = self.make_cache(cfg.prefill_pages)
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
                                     with_draft=cfg.with_draft)
-        self.off = make_offloader(cfg, cache, device, log_dir, name)
-        self.reuse = PrefixReuse(self.off, host_salt(cfg, cache)) if self.off else None
-        self.sender = KvSender(cache, kv_bind, TransportConfig(
+        self.offloader = make_offloader(cfg, cache, self.device, self.log_dir, name)
+        self.prefix_reuse = PrefixReuse(self.offloader, host_salt(cfg, cache),
+                                        cfg.prefix_load_timeout_s) if self.offloader else None
+        self.sender = KvSender(cache, self.kv_bind, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             shared_memory=cfg.shared_memory), ctx=self.ctx)
-        self.reqs: OrderedDict[str, PrefillReq] = OrderedDict()
-        self.early_ready: set[str] = set()
-        self.dropped: deque[str] = deque(maxlen=_FORGET)
-        self.windows: list[tuple[float, float]] = []
-        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0,
-                       "prefix_load_timeouts": 0}
-        watch_host(self.metrics, self.off)
-        self.report_ready(kv_advertise or self.sender.address)
+        watch_host(self.metrics, self.offloader)
+
+    def kv_address(self) -> str:
+        return self.kv_advertise or self.sender.address
 
     # -- control -------------------------------------------------------------------------
     def on_req(self, msg: Req) -> None:
         rid = msg.rid
-        req = PrefillReq(rid, unpack_ids(msg.prompt).tolist(),
-                         SamplingParams.from_dict(msg.params))
-        req.announced = rid in self.early_ready
-        req.eager = msg.eager
+        req = Request(rid, unpack_ids(msg.prompt).tolist(), SamplingParams.from_dict(msg.params),
+                      label=msg.label, eager=msg.eager, announced=rid in self.early_ready)
         self.early_ready.discard(rid)
         self.reqs[rid] = req
 
@@ -114,28 +102,35 @@ class PrefillWorker(WorkerBase):
             return
         # an eager transfer exists before the announcement; abort is a no-op when unknown
         self.sender.abort(rid, detail="client abort")
-        self._end(req, "aborted")
+        self._free_request(req, "aborted")
 
     # -- work ----------------------------------------------------------------------------
     def tick(self) -> bool:
         for ev in self.sender.poll(0):
             self._on_event(ev)
-        if self.reuse is not None:
-            self.reuse.poll()
+        if self.prefix_reuse is not None:
+            self.prefix_reuse.poll()
         admitted = self._admit()
         if not self.engine.has_work:
             return admitted
-        advanced, finished = self.engine.step()
+        try:
+            advanced, finished = self.engine.step()
+        except Exception as exc:  # contained: the pass's requests fail, the worker lives
+            logger.exception("%s: a prefill pass failed", self.name)
+            for req in self.engine.batch:
+                self.sender.abort(req.rid, "error", f"prefill failed: {exc}")
+                self._free_request(req, "error", f"prefill {self.name}: a prefill pass "
+                                   f"failed ({type(exc).__name__}: {exc}); retry it")
+            return True
         now = time.monotonic()
-        for task in advanced:
-            req = self.reqs[task.rid]
+        for req in advanced:
             req.t_first_send = req.t_first_send or now
-            if task.first_token is None:
-                self.sender.send(task.rid, task.kv, task.done)
-        for task in finished:
-            req = self.reqs[task.rid]
-            req.state, req.t_finish = ReqState.TRANSFERRING, now
-            self.sender.finish(task.rid, task.kv, task.first_token)
+            if not req.output:
+                self.sender.send(req.rid, req.kv, req.num_computed)
+        for req in finished:
+            req.t_prefilled = now
+            self._move(req, ReqState.TRANSFERRING)
+            self.sender.finish(req.rid, req.kv, req.output[0])
         return True
 
     def _admit(self) -> bool:
@@ -144,7 +139,7 @@ class PrefillWorker(WorkerBase):
         for req in list(self.reqs.values()):
             if req.state != ReqState.QUEUED or not (req.announced or req.eager):
                 continue
-            need = ceil_div(len(req.prompt), self.cache.page_size)
+            need = ceil_div(req.prompt_len, self.cache.page_size)
             if self.cache.num_free_pages() < need or len(self.engine.tasks) >= \
                     self.config.max_rows - 1:
                 break
@@ -153,47 +148,22 @@ class PrefillWorker(WorkerBase):
             except Exception as exc:  # contained: this request fails, the worker serves on
                 logger.exception("%s: %s failed at admission", self.name, req.rid)
                 self.sender.abort(req.rid, "error", f"prefill failed: {exc}")
-                self._end(req, "error", f"prefill {self.name} failed to start this request "
-                          f"({type(exc).__name__}: {exc}); retry it")
+                self._free_request(req, "error", f"prefill {self.name} failed to start this "
+                                   f"request ({type(exc).__name__}: {exc}); retry it")
         return any_admitted
 
-    def _admit_one(self, req: PrefillReq) -> bool:
+    def _admit_one(self, req: Request) -> bool:
         """Open the row, load the cached prefix, hand the rest to the engine; False when
-        the prefix load timed out (the row is freed, the request queued again)."""
-        kv = self.cache.open_row(req.rid)
-        req.task = PrefillTask(req.rid, req.prompt, req.params, kv)
-        self.cache.extend(kv, len(req.prompt))
-        start = self.load_cached_prefix(req, kv)
-        if start is None:
+        the prefix load timed out (the row is freed, the request stays QUEUED)."""
+        req.kv = self.cache.open_row(req.rid)
+        self.cache.extend(req.kv, req.prompt_len)
+        if self.prefix_reuse is not None and self.prefix_reuse.load_request(req) is None:
             return False
-        req.task.done = start
-        req.state = ReqState.PREFILLING
-        self.engine.add(req.task)
+        self._move(req, ReqState.PREFILLING)
+        self.engine.add(req)
         logger.info("%s: %s prefilling (%d tokens, %d cached)", self.name, req.rid,
-                    len(req.prompt), start)
+                    req.prompt_len, req.num_computed)
         return True
-
-    def load_cached_prefix(self, req: PrefillReq, kv) -> int | None:
-        """Load KV of the prompt's cached prefix (target and draft layers) from the host
-        tier into ``kv``, committing it, and return its length (0 on a miss or a failed
-        copy); the engine computes only the rest.
-
-        Returns None when the load did not end within ``prefix_load_timeout_s``: the row
-        is freed (``timeout``; the load's pins keep its pages safe) and the request stays
-        QUEUED with reuse off, so the next admission computes the whole prompt.
-        """
-        if self.reuse is None or not req.reuse:
-            return 0
-        try:
-            return self.reuse.load(kv, req.prompt, self.config.prefix_load_timeout_s)
-        except TimeoutError as exc:
-            logger.warning("%s: %s: %s; computing the whole prompt instead", self.name,
-                           req.rid, exc)
-            self.counts["prefix_load_timeouts"] += 1
-            self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="timeout")
-            self.cache.close_row(kv)
-            req.task, req.reuse = None, False
-            return None
 
     def _on_event(self, ev) -> None:
         if ev.kind == EventKind.READY:
@@ -203,9 +173,9 @@ class PrefillWorker(WorkerBase):
         if ev.kind == EventKind.COMPLETED and req is not None:
             req.num_sent_pages = ceil_div(ev.prompt_len, self.cache.page_size) - \
                 ev.cached_tokens // self.cache.page_size
-            self._end(req, "sent")
+            self._free_request(req, "sent")
         elif ev.kind.is_final and req is not None:
-            self._end(req, ev.reason or "error", ev.detail)
+            self._free_request(req, ev.reason or "error", ev.detail)
         elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
 
@@ -218,43 +188,54 @@ class PrefillWorker(WorkerBase):
         else:
             self.early_ready.add(rid)
 
-    def _end(self, req: PrefillReq, reason: str, detail: str = "") -> None:
-        """Free the row (``sent`` after a complete transfer), report to the router."""
+    # -- the one writer of states, the one end ---------------------------------------------
+    def _move(self, req: Request, state: ReqState) -> None:
+        check_transition(req.state, state)
+        req.state = state
+
+    def _free_request(self, req: Request, reason: str, detail: str = "") -> None:
+        """End ``req``: free its row once (``sent`` after a complete transfer, after
+        offering the prompt to the host tier), report ``Prefilled`` to the router."""
         logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
                     f" ({detail})" if detail else "")
-        now = time.monotonic()
         self.reqs.pop(req.rid, None)
         self.dropped.append(req.rid)
         self.engine.remove(req.rid)
-        if req.task is not None:
-            kv = req.task.kv
-            if reason == "sent" and self.reuse is not None:
-                self._offload_sent(req)  # pins what it copies: free follows
-            self.cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=_free_reason(reason))
-            self.cache.close_row(kv)
-        kind = "sent" if reason == "sent" else ("aborted" if reason == "aborted" else "failed")
-        self.counts[kind] += 1
-        msg = Prefilled(req.rid, reason, error=detail)
+        if req.kv is not None:
+            if reason == "sent" and self.prefix_reuse is not None:
+                self._offload_sent(req)  # pins what it copies: the free follows at once
+            self.cache.free_kv_row(req.kv, [(0, req.kv.allocated_len)],
+                                   reason=FreeReason.of_end(reason))
+            self.cache.close_row(req.kv)
+            req.kv = None
+        now = time.monotonic()
         if reason == "sent":
-            self.counts["prompt_tokens"] += len(req.prompt)
-            self.windows.append((req.t_first_send, now))
+            self._move(req, ReqState.FINISHED)
+            self.counts["sent"] += 1
+            self.counts["prompt_tokens"] += req.prompt_len
+            oldest = min((r.t_first_send for r in self.reqs.values() if r.t_first_send),
+                         default=now)
+            self.busy.add(req.t_first_send, now, horizon=oldest)
             # t_finish_wall lets the router measure last chunk -> first token at the decode
             # (same host or synchronised clocks); xfer_s (-> acknowledgement) is the fallback
-            msg = Prefilled(req.rid, reason, error=detail, xfer_s=now - req.t_finish,
-                            kv_bytes=self._kv_bytes(req.num_sent_pages),
-                            t_finish_wall=time.time() - (now - req.t_finish))
-        req.state = ReqState.FINISHED if reason == "sent" else ReqState.ABORTED
-        self.send(msg)
+            self.send(Prefilled(req.rid, reason, error=detail, xfer_s=now - req.t_prefilled,
+                                kv_bytes=self._kv_bytes(req.num_sent_pages),
+                                t_finish_wall=time.time() - (now - req.t_prefilled)))
+            return
+        aborted = reason == "aborted"
+        self._move(req, ReqState.ABORTED if aborted else ReqState.FAILED)
+        self.counts["aborted" if aborted else "failed"] += 1
+        self.send(Prefilled(req.rid, reason, error=detail))
 
     def _kv_bytes(self, num_pages: int) -> int:
         """Bytes of ``num_pages`` pages (target and draft layers), as the transfer moves
         them; a prefix the decode loaded from its host tier is not counted."""
         return num_pages * self.cache.layout.page_bytes(self.cache.page_size)
 
-    def _offload_sent(self, req: PrefillReq) -> None:
+    def _offload_sent(self, req: Request) -> None:
         """Offer the sent prompt to the host tier; a failure costs the cache entry only."""
         try:
-            self.reuse.offload_sent(req.task.kv, req.prompt)
+            self.prefix_reuse.offload_sent(req.kv, req.prompt)
         except Exception:  # the row is freed by the caller either way
             logger.exception("%s: %s: offload to the host tier failed", self.name, req.rid)
 
@@ -263,47 +244,38 @@ class PrefillWorker(WorkerBase):
         return self.sender.sockets()
 
     def load(self) -> Load:
-        queued = sum(len(r.prompt) for r in self.reqs.values() if r.state == ReqState.QUEUED)
+        queued = sum(r.prompt_len for r in self.reqs.values() if r.state == ReqState.QUEUED)
         return Load(self.name, running=len(self.engine.tasks), queued=len(self.reqs),
                     free_tokens=self.cache.num_free_pages() * self.cache.page_size,
                     queued_tokens=queued)
 
     def stats(self) -> dict:
+        reuse = self.prefix_reuse
         return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),
-                "stream_busy_s": _union_length(self.windows),
+                "stream_busy_s": self.busy.seconds,
                 "tokens_computed": self.engine.num_tokens_computed,
-                **({} if self.reuse is None else {
-                    "prefix_hit_pages": self.reuse.num_hit_pages,
-                    "offloaded_pages": self.off.num_offloaded_pages})}
+                **({} if reuse is None else {
+                    "prefix_hit_pages": reuse.num_hit_pages,
+                    "prefix_load_timeouts": reuse.num_timeouts,
+                    "offloaded_pages": self.offloader.num_offloaded_pages})}
 
     def metric_readings(self) -> list:
         page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
-        out = [*transport_readings(self.sender, "sent"), *host_readings(self.off, page_bytes)]
-        if self.reuse is not None:
-            out.append(("pdkv_prefix_hit_pages_total", {}, self.reuse.num_hit_pages))
+        out = [*transport_readings(self.sender, "sent"),
+               *host_readings(self.offloader, page_bytes)]
+        if self.prefix_reuse is not None:
+            out.append(("pdkv_prefix_hit_pages_total", {}, self.prefix_reuse.num_hit_pages))
         return out
 
-    def close(self) -> None:
+    def abandon(self, detail: str) -> None:
         for req in list(self.reqs.values()):
-            self.sender.abort(req.rid, detail="worker shutting down")
-            self._end(req, "aborted", "worker shutting down")
+            self.sender.abort(req.rid, detail=detail)
+            self._free_request(req, "aborted", detail)
+        self.early_ready.clear()
+
+    def shutdown(self) -> None:
+        self.abandon("worker shutting down")
         self.sender.close()
-        close_offloader(self.off, self.config.lease_s)
+        close_offloader(self.offloader, self.config.lease_s)
         self.cache.check_integrity()
         self.cache.close()
-        super().close()
-
-
-def _free_reason(reason: str) -> str:
-    allowed = {"sent", "aborted", "timeout", "peer_lost", "error"}
-    return reason if reason in allowed else "error"
-
-
-def _union_length(windows: list[tuple[float, float]]) -> float:
-    """Total time covered by the union of ``[start, end)`` windows."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(windows):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total

@@ -10,8 +10,8 @@ from common.config import ServeConfig, resolve_model
 from common.freelog import replay_file
 from common.kv import KvCache
 from common.model import BatchItem, Model, ModelRunner
-from common.request import SamplingParams
-from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from common.request import Request, SamplingParams
+from decode_node.batch import DecodeBatch, finish_ranges
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import make_step
 from deploy.launcher import Cluster
@@ -47,8 +47,8 @@ def _decode_in_process(cfg: ServeConfig, prompts: list[list[int]], max_new: int,
         if cfg.with_draft:
             runner.forward([BatchItem(kv, p, 0)], draft=True)
         cache.commit(kv, len(p))
-        batch.add(DecodeSeq(f"r{i}", kv, SamplingParams(max_new_tokens=max_new), len(p),
-                            [first], p))
+        batch.add(Request(f"r{i}", p, SamplingParams(max_new_tokens=max_new), kv=kv,
+                          output=[first], num_computed=len(p)))
     while len(batch):
         for s in batch.step()[1]:
             cache.free_kv_row(s.kv, finish_ranges(s.kv, cfg.page_size), reason="finished")

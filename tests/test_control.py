@@ -144,3 +144,12 @@ def test_control_frames_are_bounded():
 def test_messages_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Done("r", "stop").reason = "length"
+
+
+def test_the_leak_fixture_sees_an_open_socket_and_a_live_context(no_leaked_zmq):
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    assert sock in no_leaked_zmq.sockets and ctx in no_leaked_zmq.contexts
+    assert "leaked 1 ZMQ socket(s) ['DEALER'] and 1 context(s)" in no_leaked_zmq.leaks()
+    assert sock.closed and ctx.closed and no_leaked_zmq.leaks() == ""

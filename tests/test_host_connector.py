@@ -13,10 +13,10 @@ import torch
 
 from common import KvCache
 from common.freelog import FreeLogReader, replay_file
-from common.host import HostTier, Offloader
+from common.host import HostTier, Offloader, PrefixReuse
 from common.model import BatchItem, ModelRunner, generate_greedy
-from common.request import SamplingParams
-from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges, greedy_step
+from common.request import Request, SamplingParams
+from decode_node.batch import DecodeBatch, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector
 from decode_node.speculative import SpeculativeStep
 from tests.model_helpers import F64, prompt
@@ -35,31 +35,30 @@ class Node:
                              node="decode")
         self.host = HostTier(host_pages, page_size, LAYOUT, log_path=self.host_log,
                              node="decode")
-        self.conn = HostConnector(Offloader(self.cache, self.host, engine=engine), b"tiny")
+        off = Offloader(self.cache, self.host, engine=engine)
+        self.conn = HostConnector(off, b"tiny")
+        self.reuse = PrefixReuse(off, b"tiny", timeout_s=5)
         self.runner = ModelRunner(model, self.cache)
         self.batch = DecodeBatch(self.runner, SpeculativeStep(k) if k else greedy_step,
                                  on_commit=self.conn.on_commit)
         self.outputs: dict[str, list[int]] = {}
-        self.prompts: dict[str, list[int]] = {}
+        self.reqs: dict[str, Request] = {}
 
     def admit(self, rid: str, tokens: list[int], max_new: int, *, load: bool = True
-              ) -> DecodeSeq:
+              ) -> Request:
         """Admission with a prefix load, then the 'transfer' (here: computed) of the rest."""
-        kv = self.cache.open_row(rid)
+        req = Request(rid, tokens, SamplingParams(max_new_tokens=max_new))
+        kv = req.kv = self.cache.open_row(rid)
         self.cache.extend(kv, len(tokens))
-        start = 0
-        if load and (h := self.conn.prepare_load(kv, tokens)) is not None:
-            assert self.conn.complete_load(h, timeout=5)
-            start = h.num_tokens
+        start = self.reuse.load_request(req, commit=False) if load else 0
         item = BatchItem(kv, tokens[start:], start)
-        first = int(self.runner.forward([item])[0].argmax())
+        req.output.append(int(self.runner.forward([item])[0].argmax()))
         self.runner.forward([item], draft=True)
         self.cache.commit(kv, len(tokens))
-        seq = DecodeSeq(rid, kv, SamplingParams(max_new_tokens=max_new), len(tokens), [first])
-        self.prompts[rid] = tokens
-        assert self.batch.add(seq)
-        self.conn.track(seq, tokens)
-        return seq
+        self.reqs[rid] = req
+        assert self.batch.add(req)
+        self.conn.track(req)
+        return req
 
     def step(self) -> list[str]:
         """One batch step; returns rids the connector took over (their copies in flight)."""
@@ -83,7 +82,7 @@ class Node:
             self.conn.reap(timeout=5)
 
     def close_and_replay(self) -> tuple:
-        assert self.conn.off.close(timeout=5)
+        assert self.conn.offloader.close(timeout=5)
         assert self.conn.num_held == 0 and not self.conn.reap()
         self.conn.check_integrity()
         self.cache.check_integrity()
@@ -120,14 +119,14 @@ def test_pages_go_to_the_host_as_they_fill_and_the_final_free_waits(model, tmp_p
     p = prompt(10, seed=1)
     s = n.admit("a", p, 6)
     assert n.cache.pages(s.kv, 0, 10).tolist() == [1, 2, 3]
-    assert n.conn.off.pending("a") == 1  # pages 1, 2 (prompt); page 3 is partial
+    assert n.conn.offloader.pending("a") == 1  # pages 1, 2 (prompt); page 3 is partial
     n.step()  # committed 11
     n.step()  # committed 12: page 3 is full
-    assert n.conn.off.pending("a") == 2
+    assert n.conn.offloader.pending("a") == 2
     assert n.step() == [] and n.step() == [] and n.step() == ["a"]  # finished, held
     assert n.conn.reap() == [] and n.cache.owners_holding_pages() == {"a": 4}
     engine.run_all()
-    assert n.conn.reap() == ["a"]
+    assert [r.rid for r in n.conn.reap()] == ["a"]
     assert n.outputs["a"] == generate_greedy(model, [p], 6)[0]
     assert torch.equal(n.host.data[1:4], n.cache.data()[1:4])  # pages 1..3, exactly
     n.close_and_replay()
@@ -138,9 +137,9 @@ def test_abort_with_copies_in_flight_frees_at_once_and_pins_hold_the_pages(model
     engine = ManualEngine()
     n = Node(model, tmp_path, 4, num_pages=8, engine=engine)  # 7 usable device pages
     s = n.admit("a", prompt(13, seed=2), 8)
-    assert n.conn.off.pending("a") == 1  # pages 1..3 in flight
+    assert n.conn.offloader.pending("a") == 1  # pages 1..3 in flight
     n.batch.remove("a")
-    n.conn.request_aborted("a")
+    n.conn.request_aborted(s)
     n.cache.free_kv_row(s.kv, finish_ranges(s.kv, 4), reason="aborted")
     n.cache.close_row(s.kv)
     assert n.cache.num_free_pages() == 4  # 3 never used + page 4; 1..3 pinned by the copy
@@ -167,9 +166,9 @@ def test_follow_up_turn_loads_the_shared_prefix_and_matches_the_reference(model,
     n.drain()
     p2 = p1 + n.outputs["turn1"] + prompt(9, seed=4)  # the whole first turn, then more
     expect_hit = min((37 + 11) // page_size, (len(p2) - 1) // page_size) * page_size
-    assert n.conn.lookup(p2) == expect_hit
+    assert n.reuse.lookup(p2) == expect_hit
     n.admit("turn2", p2, 10)
-    assert n.conn.num_prefix_hit_pages == expect_hit // page_size
+    assert n.reuse.num_hit_pages == expect_hit // page_size
     n.drain()
     assert n.outputs["turn2"] == generate_greedy(model, [p2], 10)[0]
     n.close_and_replay()
@@ -184,18 +183,19 @@ def test_retract_frees_the_row_and_resume_continues_exactly(model, tmp_path):
         n.step()
     n.batch.remove("a")
     committed = s.kv.committed_len
-    r = n.conn.retract(s, finish_ranges(s.kv, 4))
-    assert r.committed_len == committed and n.cache.owners_holding_pages() == {}
+    n.conn.retract(s, finish_ranges(s.kv, 4))
+    assert len(s.committed_tokens) == committed and s.kv is None
+    assert n.cache.owners_holding_pages() == {}
     pinned = n.cache.num_pages - 1 - n.cache.num_free_pages()
     assert pinned == committed // 4  # full committed pages wait for their copy
     engine.run_all()
     n.conn.poll()
     assert n.cache.num_free_pages() == n.cache.num_pages - 1
-    assert n.conn.off.prefix.evict(100) == 0  # the retracted chain is referenced
+    assert n.conn.offloader.prefix.evict(100) == 0  # the retracted chain is referenced
     engine.auto = True  # resume blocks on its load
-    s2 = n.conn.resume(n.runner, r, timeout=5)
-    assert n.conn.off.num_loaded_pages == committed // 4
-    assert s2.kv.committed_len == committed and n.batch.add(s2)
+    n.conn.resume(n.runner, s, timeout=5)
+    assert n.conn.offloader.num_loaded_pages == committed // 4
+    assert s.kv.committed_len == committed and n.batch.add(s)
     n.drain()
     engine.run_all()
     n.conn.reap()
@@ -207,8 +207,27 @@ def test_retract_frees_the_row_and_resume_continues_exactly(model, tmp_path):
 def test_retract_of_an_untracked_sequence_is_refused(model, tmp_path):
     n = Node(model, tmp_path, 4)
     s = n.admit("a", prompt(6, seed=6), 4)
-    n.conn.request_aborted("a")
+    n.conn.request_aborted(s)
     with pytest.raises(ValueError, match="not tracked"):
         n.conn.retract(s, finish_ranges(s.kv, 4))
     n.drain()
+    n.close_and_replay()
+
+
+def test_copies_are_tracked_per_row_so_a_reused_name_never_waits_for_the_old_one(
+        model, tmp_path):
+    engine = ManualEngine()
+    n = Node(model, tmp_path, 4, engine=engine)
+    old = n.admit("a", prompt(13, seed=8), 8)               # pages 1..3 in flight
+    n.batch.remove("a")
+    n.conn.request_aborted(old)
+    n.cache.free_kv_row(old.kv, finish_ranges(old.kv, 4), reason="aborted")
+    n.cache.close_row(old.kv)
+    old_kv = old.kv
+    new = n.admit("a", [5, 6], 2)                            # the same name; no full page
+    assert n.conn.offloader.pending(old_kv) == 1 and n.conn.offloader.pending(new.kv) == 0
+    assert n.step() == []                                    # finished and freed at once,
+    assert n.cache.owners_holding_pages() == {}              # not held for the old copy
+    assert n.outputs["a"] == generate_greedy(model, [[5, 6]], 2)[0]
+    engine.run_all()
     n.close_and_replay()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import KvCache, KvLayout, OutOfPages, RangeError, ceil_align
+from common import FreeReason, KvCache, KvLayout, OutOfPages, RangeError, ceil_align
 
 
 def pages(cache: KvCache, kv, start: int, end: int, pool: str = "full") -> list[int]:
@@ -125,6 +125,29 @@ def test_double_free_is_caught_even_after_the_page_came_back_to_the_same_row(cac
         cache.free_kv_row(kv, [(0, 4)])
     cache.free_kv_row(kv, [(4, 8)])
     assert cache.num_free_pages() == 31
+
+
+def test_a_free_without_a_known_reason_is_refused_and_frees_nothing(tmp_path):
+    cache = KvCache(16, 4, log_path=tmp_path / "r.log", node="t")
+    kv = cache.open_row("r1")
+    cache.extend(kv, 8)
+    with pytest.raises(ValueError, match=r"free reason 'done' is not one of \['finished'"):
+        cache.free_kv_row(kv, [(0, 8)], reason="done")
+    with pytest.raises(ValueError, match="free reason"):
+        cache.free_pages("r1", np.array([1], dtype=np.int32), reason="oops")
+    assert cache.num_free_pages() == 15 - 2
+    cache.free_kv_row(kv, [(0, 8)], reason=FreeReason.SPEC_REJECT)
+    cache.close_row(kv)
+    cache.close()
+    with open(tmp_path / "r.log", "rb") as f:
+        frees = [e for e in msgpack.Unpacker(f, raw=False) if e.get("op") == "free"]
+    assert [e["reason"] for e in frees] == ["spec_reject"]
+
+
+def test_an_end_reason_maps_to_one_free_reason():
+    assert FreeReason.of_end("stop") is FreeReason.of_end("length") is FreeReason.FINISHED
+    assert FreeReason.of_end("peer_lost") is FreeReason.PEER_LOST
+    assert FreeReason.of_end("bad_range") is FreeReason.ERROR   # a transport error code
 
 
 def test_pinned_pages_are_deferred_until_the_last_unpin(cache):

@@ -1,7 +1,8 @@
-"""Prefill-side prefix reuse: loaded KV equals computed KV, and a hit changes no logits.
+"""Prefix reuse (``common.host.PrefixReuse``): loaded KV equals computed KV, a hit changes
+no logits, and a load past its deadline frees the row and turns reuse off.
 
-float64 tiny model with draft layers; the engine's ``done`` seam starts chunked prefill
-after the loaded prefix; both free logs replay clean.
+float64 tiny model with draft layers; chunked prefill starts at ``num_computed``, after
+the loaded prefix; both free logs replay clean.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import torch
 
 from common import KvCache
 from common.freelog import replay_file
-from common.host import HostTier, Offloader
+from common.host import HostTier, Offloader, PrefixReuse
 from common.model import BatchItem, ModelRunner
-from common.request import SamplingParams
-from prefill_node.engine import PrefillEngine, PrefillTask
-from prefill_node.prefix_reuse import PrefixReuse
+from common.request import Request, SamplingParams
+from prefill_node.engine import PrefillEngine
 from tests.model_helpers import F64, prompt
 
 LAYOUT = F64.kv_layout(with_draft=True)
@@ -38,11 +38,11 @@ class Prefill:
         kv = self.cache.open_row(rid)
         self.cache.extend(kv, len(tokens))
         start = self.reuse.load(kv, tokens, timeout=5) if reuse else 0
-        task = PrefillTask(rid, tokens, SamplingParams(), kv, done=start)
-        self.engine.add(task)
+        req = Request(rid, tokens, SamplingParams(), kv=kv, num_computed=start)
+        self.engine.add(req)
         while self.engine.has_work:
             self.engine.step()
-        return kv, start, task.first_token
+        return kv, start, req.output[0]
 
     def send_and_free(self, kv, tokens: list[int]) -> None:
         """What the worker does after the send: offload, then free at once."""
@@ -51,8 +51,8 @@ class Prefill:
         self.cache.close_row(kv)
 
     def close_and_replay(self) -> None:
-        assert self.reuse.off.close(timeout=5)
-        self.reuse.off.check_integrity()
+        assert self.reuse.offloader.close(timeout=5)
+        self.reuse.offloader.check_integrity()
         self.cache.check_integrity()
         assert self.cache.num_free_pages() == self.cache.num_pages - 1
         self.cache.close()
@@ -78,7 +78,7 @@ def test_loaded_prefix_is_byte_exact_and_the_rest_matches_a_full_prefill(model, 
     computed = row_kv(p.cache, a, 40)
     assert start_a == 0
     p.send_and_free(a, shared + [3])
-    assert p.reuse.off.wait(timeout=5)
+    assert p.reuse.offloader.wait(timeout=5)
     follow = shared + prompt(17, seed=2)
     b, start, first = p.prefill("b", follow)
     assert start == 40 // page_size * page_size and p.reuse.num_hit_pages == start // page_size
@@ -103,7 +103,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_page(model, tmp_path):
     tokens = prompt(16, seed=3)
     a, _, first_a = p.prefill("a", tokens)
     p.send_and_free(a, tokens)
-    assert p.reuse.off.wait(timeout=5)
+    assert p.reuse.offloader.wait(timeout=5)
     assert p.reuse.lookup(tokens) == 12  # 4 pages cached, one page left to compute
     b, start, first_b = p.prefill("b", tokens)
     assert start == 12 and first_b == first_a
@@ -119,6 +119,6 @@ def test_free_right_after_offload_waits_for_the_copy_via_pins(model, tmp_path):
     tokens = prompt(30, seed=5)
     a, _, _ = p.prefill("a", tokens)
     p.send_and_free(a, tokens)  # freed at once; pages 1..7 pinned until the copy ends
-    assert p.reuse.off.wait(timeout=5)
+    assert p.reuse.offloader.wait(timeout=5)
     assert p.cache.num_free_pages() == 15 and p.reuse.lookup(tokens) == 28
     p.close_and_replay()

@@ -27,8 +27,8 @@ def _setup(model, tmp_path):
     return n, Retractor(n.conn, n.batch, spec_k=0)
 
 
-def _max_len(rid: str) -> int:
-    return 12 + MAX_NEW[rid] - 1
+def _rids(reqs) -> list[str]:
+    return [r.rid for r in reqs]
 
 
 def _offloaded_owners(n) -> list[str]:
@@ -39,24 +39,24 @@ def _offloaded_owners(n) -> list[str]:
 
 def test_youngest_is_retracted_first_and_oldest_resumes_first(model, tmp_path):
     n, ret = _setup(model, tmp_path)
-    assert n.cache.num_free_pages() == 1 and ret.pages_short(_max_len) == 2  # 3 needed
+    assert n.cache.num_free_pages() == 1 and ret.pages_short() == 2  # 3 needed
     assert ret.admits_new()
 
     # c (youngest) goes; its 3 pages come back at once (their copies already ended)
-    assert ret.relieve(_max_len) == ["c"]
+    assert _rids(ret.relieve()) == ["c"]
     assert n.cache.num_free_pages() == 4 and list(ret.waiting) == ["c"]
     assert not ret.admits_new()                      # c waits: nothing new is admitted
 
     # c needs 4 pages (12 committed positions + 1 step) but a and b need 2 of the 4
     # free ones for their next step: it stays retracted
-    assert ret.resume(n.runner, 5, _max_len) == ([], {})
+    assert ret.resume(n.runner, 5) == ([], {})
     for _ in range(8):                               # a and b to position 20
-        assert ret.relieve(_max_len) == []
+        assert _rids(ret.relieve()) == []
         n.step()
-    assert n.cache.num_free_pages() == 0 and ret.pages_short(_max_len) == 2
+    assert n.cache.num_free_pages() == 0 and ret.pages_short() == 2
 
     # the youngest *running* one is b; a (oldest) keeps its row
-    assert ret.relieve(_max_len) == ["b"]
+    assert _rids(ret.relieve()) == ["b"]
     # b's 5 pages: [0, 16) at once, [16, 20) (just filled) once its copy to the host ends
     assert n.cache.num_free_pages() == 4
     n.conn.poll()
@@ -68,7 +68,7 @@ def test_youngest_is_retracted_first_and_oldest_resumes_first(model, tmp_path):
 
     # b needs 6 pages (20 committed + 1 step), then c 4 (12 + 1) of 10: both fit, b
     # first; each new row spans its committed tokens (5 + 3 pages)
-    seqs, failed = ret.resume(n.runner, 5, _max_len)
+    seqs, failed = ret.resume(n.runner, 5)
     assert [s.rid for s in seqs] == ["b", "c"] and failed == {} and ret.admits_new()
     assert n.cache.num_free_pages() == 2
     for s in seqs:
@@ -87,19 +87,19 @@ def test_youngest_is_retracted_first_and_oldest_resumes_first(model, tmp_path):
 def _run_to_the_end(n, ret) -> None:
     """The decode worker's loop: resume (oldest first), relieve, step."""
     while len(n.batch) or ret.waiting:
-        for s in ret.resume(n.runner, 5, _max_len)[0]:
+        for s in ret.resume(n.runner, 5)[0]:
             assert n.batch.add(s)
-        ret.relieve(_max_len)
+        ret.relieve()
         n.step()
         n.conn.poll()
 
 
 def test_abort_while_retracted_drops_the_host_reference_only(model, tmp_path):
     n, ret = _setup(model, tmp_path)
-    assert ret.relieve(_max_len) == ["c"]
-    assert n.conn.off.prefix.evict(100) == 6         # a's and b's; c's chain is referenced
-    assert ret.discard("c") and not ret.discard("c") and ret.admits_new()
-    assert n.conn.off.prefix.evict(100) == 3         # c's 3 host pages may go now
+    assert _rids(ret.relieve()) == ["c"]
+    assert n.conn.offloader.prefix.evict(100) == 6         # a's and b's; c's chain is referenced
+    assert ret.discard(n.reqs["c"]) and not ret.discard(n.reqs["c"]) and ret.admits_new()
+    assert n.conn.offloader.prefix.evict(100) == 3         # c's 3 host pages may go now
     _run_to_the_end(n, ret)
     assert set(n.outputs) == {"a", "b"}
     n.close_and_replay()

@@ -13,8 +13,8 @@ from common import KvCache
 from common.freelog import FreeLogReader, replay_file
 from common.kv import ceil_align, ceil_div
 from common.model import BatchItem, Model, ModelRunner, generate_greedy
-from common.request import SamplingParams
-from decode_node.batch import DecodeBatch, DecodeSeq, finish_ranges
+from common.request import Request, SamplingParams
+from decode_node.batch import DecodeBatch, finish_ranges
 from decode_node.speculative import SpeculativeStep
 from tests.model_helpers import F64, prompt
 
@@ -40,7 +40,7 @@ class Harness:
         first = int(self.runner.forward([item])[0].argmax())
         self.runner.forward([item], draft=True)
         self.cache.commit(kv, len(tokens))
-        seq = DecodeSeq(rid, kv, params, len(tokens), [first])
+        seq = Request(rid, tokens, params, kv=kv, output=[first], num_computed=len(tokens))
         if not self.batch.add(seq):
             self.finish(seq)
 
@@ -50,7 +50,7 @@ class Harness:
             self.finish(s)
         self.cache.check_integrity()
 
-    def finish(self, s: DecodeSeq) -> None:
+    def finish(self, s: Request) -> None:
         assert s.kv.committed_len == s.next_position  # nothing past the output committed
         ranges = finish_ranges(s.kv, self.cache.page_size)
         self.freed[s.rid] = ranges

@@ -3,7 +3,7 @@ fingerprint), KV layout and TP ranks.
 
 The connecting (decode) side sends its ``Hello``; the bound (prefill) side checks it and
 answers with its own ``Hello`` either way, so both sides run the same ``check`` and both
-fail with a message that names the differing field (LESSONS.md item 6).
+fail with a message that names the differing field (docs/design.md, "Transfer").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``pdkv replay``: verify free logs offline (DESIGN.md section 4, docs/freelog.md).
+"""``pdkv replay``: verify free logs offline (docs/design.md, "The free log"; docs/freelog.md).
 
 Replay rebuilds every pool page by page from the recorded events and reports each
 violation with the event's seq, the page, the owner and the last event that changed the

@@ -1,10 +1,12 @@
-"""The host tier: its pool, the copy engine, the prefix cache and two-phase offload."""
+"""The host tier: its pool, the copy engine, the prefix cache, two-phase offload and the
+one prefix reuse of prefill, decode and colocated workers."""
 
 from common.host.offload import LoadHandle, Offloader
 from common.host.prefix_cache import HashChain, PrefixCache, prefix_len
+from common.host.prefix_reuse import PrefixLoadTimeout, PrefixReuse
 from common.host.setup import close_offloader, host_salt, make_offloader
 from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
 
 __all__ = ["CACHE_OWNER", "CopyEngine", "CopyJob", "HashChain", "HostTier", "LoadHandle",
-           "Offloader", "PrefixCache", "close_offloader", "host_salt", "make_offloader",
-           "prefix_len"]
+           "Offloader", "PrefixCache", "PrefixLoadTimeout", "PrefixReuse", "close_offloader",
+           "host_salt", "make_offloader", "prefix_len"]

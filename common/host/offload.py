@@ -1,6 +1,6 @@
 """Offloading committed KV pages to the host tier, and loading cached prefixes back.
 
-Which positions of a decode row may go to the host (DESIGN.md section 6, LESSONS item 4):
+Which positions of a decode row may go to the host (docs/design.md, "Speculation and offload"):
 
     positions  0 ............ F ...... committed_len .. allocated_len
                | full committed | partial |  lookahead tail  |
@@ -49,9 +49,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StoreHandle:
-    """An offload in flight: row pages ``[first_page, first_page + len(keys))`` of ``owner``."""
+    """An offload in flight: row pages ``[first_page, first_page + len(keys))`` of ``row``."""
 
-    owner: str
+    row: KvRecord
+    """The row copied from: copies are tracked per row, not per owner name (a later
+    request of the same name never waits for, or frees before, another row's copies)."""
     first_page: int
     keys: list[bytes]
     parent: bytes | None
@@ -62,12 +64,16 @@ class StoreHandle:
     job: CopyJob
     done: bool = False
 
+    @property
+    def owner(self) -> str:
+        return self.row.owner
+
 
 @dataclass
 class LoadHandle:
-    """A prefix load in flight: ``num_tokens`` positions from 0 of ``owner``'s row."""
+    """A prefix load in flight: ``num_tokens`` positions from 0 of ``row``."""
 
-    owner: str
+    row: KvRecord
     num_tokens: int
     keys: list[bytes]
     device_pages: np.ndarray
@@ -77,6 +83,10 @@ class LoadHandle:
     job: CopyJob
     done: bool = False
     error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def owner(self) -> str:
+        return self.row.owner
 
 
 class Offloader:
@@ -101,7 +111,8 @@ class Offloader:
         self._stores: deque[StoreHandle] = deque()
         self._loads: list[LoadHandle] = []
         self._inflight: set[bytes] = set()
-        self._pending: dict[str, int] = {}
+        self._pending: dict[int, int] = {}
+        """Copies in flight per row (``id`` of the KvRecord, which its handles keep alive)."""
         self._lock = threading.RLock()
         self.num_offloaded_pages = 0
         self.num_loaded_pages = 0
@@ -160,11 +171,11 @@ class Offloader:
             raise
         host_pin = self.host.pin(host_pages, "offload")
         job = self.engine.submit(self.cache.data(), device_pages, self.host.data, host_pages)
-        handle = StoreHandle(kv.owner, start, keys, parent, device_pages, host_pages,
+        handle = StoreHandle(kv, start, keys, parent, device_pages, host_pages,
                              device_pin, host_pin, job)
         self._inflight.update(keys)
         self._stores.append(handle)
-        self._pending[kv.owner] = self._pending.get(kv.owner, 0) + 1
+        self._pending[id(kv)] = self._pending.get(id(kv), 0) + 1
         return handle
 
     def _finish_store(self, h: StoreHandle) -> None:
@@ -213,10 +224,10 @@ class Offloader:
             host_pin = self.host.pin(host_pages, "load")
             job = self.engine.submit(self.host.data, host_pages, self.cache.data(),
                                      device_pages)
-            handle = LoadHandle(kv.owner, len(keys) * self.page_size, keys, device_pages,
+            handle = LoadHandle(kv, len(keys) * self.page_size, keys, device_pages,
                                 host_pages, device_pin, host_pin, job)
             self._loads.append(handle)
-            self._pending[kv.owner] = self._pending.get(kv.owner, 0) + 1
+            self._pending[id(kv)] = self._pending.get(id(kv), 0) + 1
             return handle
 
     def complete_load(self, handle: LoadHandle, timeout: float | None = None) -> bool:
@@ -255,28 +266,28 @@ class Offloader:
             return count
 
     def pending(self, kv: KvRecord | str) -> int:
-        """Copies of ``kv`` (or an owner name) not completed yet."""
-        owner = kv if isinstance(kv, str) else kv.owner
+        """Copies of the row ``kv`` (or of every row of an owner name) not completed yet."""
         with self._lock:
-            return self._pending.get(owner, 0)
+            if isinstance(kv, str):
+                return sum(h.owner == kv for h in (*self._stores, *self._loads))
+            return self._pending.get(id(kv), 0)
 
     def wait(self, kv: KvRecord | str | None = None, timeout: float | None = None) -> bool:
         """Complete every copy of ``kv`` (every copy when ``None``) within ``timeout`` s.
 
         Returns True when none is left; call before freeing a finished request's row.
         """
-        owner = kv if kv is None or isinstance(kv, str) else kv.owner
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             jobs = [h.job for h in (*self._stores, *self._loads)
-                    if owner is None or h.owner == owner]
+                    if kv is None or h.row is kv or h.owner == kv]
         for job in jobs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not job.wait(left):
                 break
         self.poll()
         with self._lock:
-            return (self._pending.get(owner, 0) if owner is not None
+            return (self.pending(kv) if kv is not None
                     else len(self._stores) + len(self._loads)) == 0
 
     def close(self, timeout: float | None = None) -> bool:
@@ -301,11 +312,11 @@ class Offloader:
 
     def _done(self, h: StoreHandle | LoadHandle) -> None:
         h.done = True
-        left = self._pending[h.owner] - 1
+        left = self._pending[id(h.row)] - 1
         if left:
-            self._pending[h.owner] = left
+            self._pending[id(h.row)] = left
         else:
-            del self._pending[h.owner]
+            del self._pending[id(h.row)]
 
 
 def _check_compatible(cache: KvCache, host: HostTier) -> None:

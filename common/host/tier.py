@@ -1,6 +1,6 @@
 """The host tier: a KV pool in CPU memory of its own, and the engine that copies pages.
 
-The host pool mirrors a device pool's page layout (DESIGN.md section 6):
+The host pool mirrors a device pool's page layout (docs/design.md, "Speculation and offload"):
 
     # data: [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
 

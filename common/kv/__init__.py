@@ -7,9 +7,10 @@ from common.kv.layout import KvLayout
 from common.kv.page_copy import check_pages, copy_pages, page_runs
 from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
+from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
 from common.kv.shared_tensor import SharedTensor
 
-__all__ = ["PAGE_STATES", "KvCache", "KvLayout", "KvRecord", "OutOfPages", "PageAllocator",
-           "PoolStats", "RangeError", "SharedTensor", "ceil_align", "ceil_div", "check_pages",
-           "copy_pages", "page_runs"]
+__all__ = ["PAGE_STATES", "FreeReason", "KvCache", "KvLayout", "KvRecord", "OutOfPages",
+           "PageAllocator", "PoolStats", "RangeError", "SharedTensor", "ceil_align", "ceil_div",
+           "check_pages", "copy_pages", "page_runs"]

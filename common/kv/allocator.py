@@ -19,6 +19,7 @@ import numpy as np
 
 from common.freelog import FreeLogWriter
 from common.kv.pool_stats import PoolCounters, PoolStats, owner_kind
+from common.kv.reasons import FreeReason
 
 FREE = -1
 RESERVED = -2
@@ -110,13 +111,18 @@ class PageAllocator:
             self._log.alloc(self.name, pages, owner)
         return pages
 
-    def free(self, pages: np.ndarray, owner: str, reason: str,
+    def free(self, pages: np.ndarray, owner: str, reason: FreeReason | str,
              ranges: list[tuple[int, int]] | None = None) -> None:
-        """``owner`` gives ``pages`` back (checked by the caller); pinned ones become pending."""
+        """``owner`` gives ``pages`` back (checked by the caller); pinned ones become pending.
+
+        Raises:
+            ValueError: ``reason`` is not a ``FreeReason``; nothing changed.
+        """
+        reason = FreeReason.check(reason)
         self._owner_of[pages] = FREE
         self.counters.record("free", len(pages), reason)
         if self._log is not None:
-            self._log.free(self.name, pages, owner, reason, ranges)
+            self._log.free(self.name, pages, owner, reason.value, ranges)
         self._push(pages[self._pin_count[pages] == 0])
 
     def handoff(self, pages: np.ndarray, owner: str, to: str) -> None:

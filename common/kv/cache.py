@@ -22,6 +22,7 @@ from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
 from common.kv.pool_stats import PoolStats
 from common.kv.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
+from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
 from common.kv.shared_tensor import SharedTensor
 
@@ -200,8 +201,8 @@ class KvCache:
 
     # -- giving pages back --------------------------------------------------------------
     def free_kv_row(self, kv: KvRecord, ranges: Iterable[Sequence[int]], *,
-                    reason: str = "finished") -> None:
-        """Give back the pages of row-position ranges of ``kv`` (DESIGN.md section 3).
+                    reason: FreeReason | str = FreeReason.FINISHED) -> None:
+        """Give back the pages of row-position ranges of ``kv`` (docs/design.md, "free_kv_row").
 
         Touching ranges are merged; starts must be page-aligned; an end mid-page releases
         the whole last page. Positions below ``swa_evicted_seqlen`` go back to ``full``
@@ -210,7 +211,9 @@ class KvCache:
 
         Raises:
             RangeError: any range breaks the contract (named in the message); nothing freed.
+            ValueError: ``reason`` is not a ``FreeReason``; nothing freed.
         """
+        reason = FreeReason.check(reason)
         with self._lock:
             self._check_open(kv)
             merged = merge_ranges(ranges)
@@ -236,7 +239,7 @@ class KvCache:
                 return
             idx = np.arange(kv.swa_evicted_seqlen // self.page_size, floor // self.page_size)
             pages = self._held_pages(kv, "swa", idx, [(kv.swa_evicted_seqlen, floor)])
-            pool.free(pages, kv.owner, "evicted", [(kv.swa_evicted_seqlen, floor)])
+            pool.free(pages, kv.owner, FreeReason.EVICTED, [(kv.swa_evicted_seqlen, floor)])
             self._row_pages["swa"][kv.row][idx] = 0
             self._row_held["swa"][kv.row][idx] = False
             kv.swa_evicted_seqlen = floor
@@ -256,9 +259,10 @@ class KvCache:
                 self._row_held[pool.name][kv.row][idx] = False
             kv.protected_len = max(kv.protected_len, end)
 
-    def free_pages(self, owner: str, pages: np.ndarray, *, reason: str,
+    def free_pages(self, owner: str, pages: np.ndarray, *, reason: FreeReason | str,
                    pool: str = "full") -> None:
         """A cache (``owner``) gives back ``pages`` it holds."""
+        reason = FreeReason.check(reason)
         with self._lock:
             pages = np.asarray(pages, dtype=np.int32)
             allocator = self._pool(pool)

@@ -9,7 +9,7 @@ page; with head slices it must be ``[pages, layers, 2, page_size, heads, ...]``.
     src pages  3 4 5 9 | 12     ->  (3, 7, 3), (9, 2, 1), (12, 3, 1)
     dst pages  7 8 9 2 | 3
 
-How each run moves (measured on a 2-core CPU, LESSONS.md item 7 and STYLE.md pitfalls):
+How each run moves (measured on a 2-core CPU; one frame or copy per run, never per page):
 - CPU to CPU: one numpy slice assignment per run - a single-threaded memcpy; torch copies
   from a second thread start their own OpenMP team (scattered 512 KiB pages loaded at 0.6x
   a plain copy that way against 1.0x this way). One run of one big block stays with torch

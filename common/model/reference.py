@@ -1,4 +1,4 @@
-"""Single-process greedy generation: the correctness anchor (DESIGN.md section 7).
+"""Single-process greedy generation: the correctness anchor (docs/design.md, "Correctness anchor").
 
 Each request runs alone, prefilled in one shot and decoded one token per step through a
 real ``KvCache``, so any disaggregated run (chunked prefill, transfer, batching,

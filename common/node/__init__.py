@@ -42,14 +42,14 @@ from common.node.control import (
     Tokens,
 )
 from common.node.keys import Keys, KeysError, role_of
-from common.node.link import Hub, Link, wait_any
-from common.node.worker_base import RouterLost, WorkerBase, setup_process
+from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
+from common.node.registration import RouterLost
+from common.node.worker_base import WorkerBase, setup_process
 
-__all__ = ["CODEC", "INSECURE", "MAX_CONTROL_BYTES", "Abort", "Bye", "Done", "Error", "Hub",
-           "InsecureBind", "Keys", "KeysError", "Link", "Load", "Malformed", "Message",
-           "MetricsQuery", "MetricsReport", "MetricsSnapshot",
-           "PlaneAuth", "Ping", "Pong", "Prefilled", "Ready", "Register", "Registered",
-           "Req", "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats", "Status",
-           "StatusReport", "Submit", "Tokens", "WorkerBase", "check_bind", "control_client",
-           "control_server", "new_kv_plane", "principal", "role_of", "setup_process",
-           "wait_any"]
+__all__ = ["Abort", "Bye", "CODEC", "ControlHub", "ControlLink", "Done", "Error", "Hub",
+           "INSECURE", "InsecureBind", "Keys", "KeysError", "Link", "Load", "MAX_CONTROL_BYTES",
+           "Malformed", "Message", "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping",
+           "PlaneAuth", "Pong", "Prefilled", "Ready", "Register", "Registered", "Req",
+           "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport",
+           "Submit", "Tokens", "WorkerBase", "check_bind", "control_client", "control_server",
+           "new_kv_plane", "principal", "role_of", "setup_process", "wait_any"]

@@ -180,6 +180,9 @@ class Req:
     decode: str
     eager: bool = False
     """The decode surely admits at once: the prefill may compute before the announce."""
+    label: str = ""
+    """The client's rid (``rid`` is the router's own, unique per submission); sampling
+    is seeded by it, so a rerun of a seeded request samples the same tokens."""
 
 
 # -- client -> router ---------------------------------------------------------------------
@@ -204,6 +207,9 @@ class Submit:
 class Status:
     """Ask the router for a ``StatusReport``."""
 
+    nonce: int = 0
+    """Echoed in the answer, so a late answer to an earlier ask is told apart."""
+
 
 @dataclass(frozen=True)
 class StatusReport:
@@ -216,6 +222,8 @@ class StatusReport:
     errors: dict[str, int] = field(default_factory=dict)
     metrics_url: str = ""
     """Where the router serves ``/metrics`` over HTTP (empty: it does not)."""
+    nonce: int = 0
+    """The ``Status`` it answers."""
 
 
 @dataclass(frozen=True)
@@ -268,10 +276,19 @@ class Ping:
     """Liveness probe; a worker ignores it (it renews the router's lease), the router
     answers ``Pong`` to a client."""
 
+    nonce: int = 0
+    """Echoed in the ``Pong``."""
+
 
 @dataclass(frozen=True)
 class Pong:
     """Answer to a client's ``Ping``."""
+
+    run: str = ""
+    """The router incarnation's tag: a new one means the router restarted and every
+    request sent to the old one is lost."""
+    nonce: int = 0
+    """The ``Ping`` it answers."""
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,17 @@
 router's ROUTER). Both carry ``common.node.control`` messages and never raise on what a
 peer sends: a frame that does not decode comes back as ``Malformed`` and is counted in
 ``errors`` by code.
+
+Workers and the router hold them through the interfaces ``ControlLink`` and
+``ControlHub``, so tests build them in process over fakes (real subclasses) that carry
+messages without sockets.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from abc import ABC, abstractmethod
 from collections import Counter
 
 import zmq
@@ -26,7 +31,56 @@ def _decode(frame: bytes, errors: Counter) -> Message | Malformed:
         return Malformed(exc.code, exc.detail, exc.rid or "")
 
 
-class Link:
+class ControlLink(ABC):
+    """A worker's or client's connection to the router."""
+
+    errors: Counter[str]
+    """Frames refused by code (undecodable, unexpected)."""
+
+    @abstractmethod
+    def send(self, msg: Message) -> None:
+        """Queue ``msg`` for the router (never blocks)."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float = 0.0) -> Message | Malformed | None:
+        """The next message, or ``None`` when none came within ``timeout_s``."""
+
+    def recv_all(self) -> list[Message | Malformed]:
+        """Every message that is there now."""
+        out = []
+        while (msg := self.recv(0)) is not None:
+            out.append(msg)
+        return out
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets whose input should wake an idle loop (none for a fake)."""
+        return []
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection."""
+
+
+class ControlHub(ABC):
+    """The router's end of the control plane: messages keyed by the sender's id."""
+
+    errors: Counter[str]
+    address: str
+
+    @abstractmethod
+    def send(self, peer: bytes, msg: Message) -> bool:
+        """False when the peer is gone (the caller decides what that means)."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
+        """(peer, message) or None when nothing came within ``timeout_s``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the socket."""
+
+
+class Link(ControlLink):
     """A DEALER connected to the router: send, receive with a timeout, close.
 
     Args:
@@ -45,7 +99,13 @@ class Link:
         self.errors: Counter[str] = Counter()
 
     def send(self, msg: Message) -> None:
-        self.sock.send(CODEC.encode(msg))
+        """Never blocks: while the router is away messages queue up to the socket's
+        high-water mark (they reach a restarted router); past it they are dropped and
+        counted (``errors["dropped"]``), so a dead router cannot stall the caller."""
+        try:
+            self.sock.send(CODEC.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.errors["dropped"] += 1
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send frames as they are (tests of what a broken peer sends)."""
@@ -61,17 +121,14 @@ class Link:
             return Malformed("extra_frames", f"{len(frames)} frames, expected 1")
         return _decode(frames[0], self.errors)
 
-    def recv_all(self) -> list[Message | Malformed]:
-        out = []
-        while (msg := self.recv(0)) is not None:
-            out.append(msg)
-        return out
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.sock]
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
 
-class Hub:
+class Hub(ControlHub):
     """The router's ROUTER socket: messages keyed by the sender's routing id."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
@@ -84,10 +141,14 @@ class Hub:
         self.errors: Counter[str] = Counter()
 
     def send(self, peer: bytes, msg: Message) -> bool:
-        """False when the peer is gone (the caller decides what that means)."""
+        """False when the peer is gone, or so far behind that its queue is full (the
+        caller decides what that means); never blocks the router's loop."""
         try:
-            self.sock.send_multipart([peer, CODEC.encode(msg)])
+            self.sock.send_multipart([peer, CODEC.encode(msg)], zmq.NOBLOCK)
             return True
+        except zmq.Again:
+            self.errors["dropped"] += 1
+            return False
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

@@ -1,14 +1,21 @@
 """What every worker process shares: its link to the router, registration, heartbeats,
 the main loop, shutdown.
 
-A worker is a function: ``build`` (model, pool, sockets), report ready, loop, exit cleanly::
+A worker is a function: build, report ready, loop, exit cleanly::
 
-    connect router -> register(role, name) -> registered(config)
-    -> build from config -> ready(kv_addr, pool_tokens) -> loop -> shutdown -> close
+    __init__ (no I/O) -> serve(): connect -> Register -> Registered(config)
+        -> start(config): build (model, pool, KV sockets) -> Ready -> loop
+        -> Shutdown -> close (free everything, Stats)
 
-The loop alternates control messages from the router, one ``tick`` of work, and load
-reports (which double as heartbeats). A router silent past the lease ends the worker: a
-worker never outlives its deployment.
+    router silent past the lease, or it says we were lost:
+        -> abandon (end every request, keep the pools) -> Register again every
+           heartbeat for ``rejoin_s`` -> Registered (same config) -> Ready -> loop
+
+Constructing a worker touches no network: tests build one over a fake ``ControlLink``
+and call ``start(config)``, ``dispatch(msg)`` and ``tick()`` directly. The loop
+alternates control messages from the router, one ``tick`` of work, and ``Load`` reports
+(which double as heartbeats). A router silent past the lease ends the worker: a worker
+never outlives its deployment.
 """
 
 from __future__ import annotations
@@ -43,40 +50,43 @@ from common.node.control import (
     Stats,
     Tokens,
 )
-from common.node.link import Link, wait_any
+from common.node.link import ControlLink, Link, wait_any
+from common.node.registration import RouterLost, register
 
 logger = logging.getLogger(__name__)
-
-
-class RouterLost(RuntimeError):
-    """The router went silent past the lease or never answered the registration."""
 
 
 class WorkerBase(ABC):
     """Base of prefill, decode and colocated workers.
 
     Args:
-        role: 'prefill', 'decode' or 'colocated'.
         name: unique worker name (logs, free log file name, router bookkeeping).
-        router: the router's address.
+        router: the router's address, or a ``ControlLink`` already made (tests).
         device: 'cpu' or 'cuda:N'.
         log_dir: directory for this worker's free log (``<name>.freelog``); None: no log.
+        register_timeout_s: how long ``serve`` waits for the router to answer.
         local_models: ``model_path`` / ``draft_model_path`` of this host's copies of the
             deployment's checkpoints (``pdkv prefill --model DIR``); empty: the router's.
     """
 
     role = "worker"
 
-    def __init__(self, name: str, router: str, device: str = "cpu",
+    def __init__(self, name: str, router: str | ControlLink, device: str = "cpu",
                  log_dir: str | None = None, register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None) -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
         # This host's copies of the checkpoints (model_path, draft_model_path) replace
         # the router's paths; the KV handshake's weights fingerprint proves they match.
         self.local_models = dict(local_models or {})
+        self.router_addr = router if isinstance(router, str) else ""
+        self.link: ControlLink | None = router if isinstance(router, ControlLink) else None
+        self.register_timeout_s = register_timeout_s
         self.ctx = zmq.Context()
-        self.link = Link(self.ctx, router, name)
+        self.config: ServeConfig | None = None
+        self.cache: KvCache | None = None
+        self.built = False
         self.stopping = False
+        self._last_router = self._next_load = 0.0
         self.metrics = NodeMetrics(self.role)
         """This process's metrics; parts that count take their metric objects from it."""
         # only the worker that generates (computes the prompt) counts tokens (prompt)
@@ -87,21 +97,43 @@ class WorkerBase(ABC):
         self._last_load: Load | None = None
         self.metrics.read(self._load_readings)
         self.metrics.read(self.metric_readings)
-        self.config = self._register(register_timeout_s)
-        self._last_router = self._next_load = time.monotonic()
-        self.cache: KvCache | None = None
 
-    # -- startup -------------------------------------------------------------------------
+    # -- life ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Connect and register, build from the deployment's config, report ready, loop
+        until the router says shutdown (or is lost); then close.
+
+        Raises:
+            RouterLost: no answer to the registration, or the router went silent.
+        """
+        try:
+            if self.link is None:
+                self.link = Link(self.ctx, self.router_addr, self.name)
+            self.start(self._register(self.register_timeout_s))
+            self._loop()
+        finally:
+            self.close()
+
+    def start(self, config: ServeConfig) -> None:
+        """Build from ``config`` and report ready (``serve`` does this once registered)."""
+        self.config = config
+        self.build()
+        self.built = True
+        self._last_router = self._next_load = time.monotonic()
+        pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
+        self.link.send(Ready(self.name, self.kv_address(), pool))
+        logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
+                    self.kv_address() or "-")
+
     def _register(self, timeout_s: float) -> ServeConfig:
-        self.link.send(Register(self.role, self.name, os.getpid()))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = self.link.recv(0.2)
-            if isinstance(msg, Registered):
-                return ServeConfig.from_dict({**msg.config, **self.local_models})
-            if isinstance(msg, Error):
-                raise RuntimeError(f"{self.name}: router refused registration: {msg.error}")
-        raise RouterLost(f"{self.name}: no answer from the router within {timeout_s}s")
+        return self._own(register(self.link, self.role, self.name, self.router_addr,
+                                  timeout_s))
+
+    def _own(self, config: ServeConfig) -> ServeConfig:
+        """The deployment's config with this host's checkpoint paths."""
+        if not self.local_models:
+            return config
+        return ServeConfig.from_dict({**config.to_dict(), **self.local_models})
 
     def make_cache(self, num_pages: int, shared_memory: bool = False
                    ) -> tuple[Model, KvCache, ModelRunner]:
@@ -126,38 +158,46 @@ class WorkerBase(ABC):
         self.metrics.set_info(**build_info(self.config, cache))
         return model, cache, ModelRunner(model, cache, draft)
 
-    def report_ready(self, kv_addr: str = "") -> None:
-        pool = self.cache.num_free_pages() * self.config.page_size if self.cache else 0
-        self.link.send(Ready(self.name, kv_addr, pool))
-        logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
-                    kv_addr or "-")
-
     # -- loop ----------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Loop until the router says shutdown (or is lost); then close."""
-        try:
-            while not self.stopping:
-                self._control()
-                busy = self.tick()
-                self._heartbeat()
-                if not busy:
-                    if self.config.debug_integrity and self.cache is not None:
-                        self.cache.check_integrity()
-                    wait_any([self.link.sock, *self.sockets()], 0.02)
-        finally:
-            self.close()
+    def _loop(self) -> None:
+        while not self.stopping:
+            try:
+                self.poll_control()
+            except RouterLost as exc:
+                self._rejoin(exc)
+                continue
+            busy = self.tick()
+            self._heartbeat()
+            if not busy:
+                if self.config.debug_integrity and self.cache is not None:
+                    self.cache.check_integrity()
+                wait_any([*self.link.sockets(), *self.sockets()], 0.02)
 
-    def _control(self) -> None:
+    def poll_control(self) -> None:
+        """Handle every message from the router; raise ``RouterLost`` past the lease."""
         for msg in self.link.recv_all():
             self._last_router = time.monotonic()
-            self._dispatch(msg)
+            self.dispatch(msg)
         silent = time.monotonic() - self._last_router
         if silent > self.config.lease_s:
             raise RouterLost(f"{self.name}: router silent for {silent:.1f}s "
                              f"(lease {self.config.lease_s}s)")
 
-    def _dispatch(self, msg: Message | Malformed) -> None:
-        if isinstance(msg, Req):
+    def dispatch(self, msg: Message | Malformed) -> None:
+        """One message from the router, by type; anything else is answered ``Error``.
+
+        Raises:
+            RouterLost: the router declared this worker lost (it was stopped or cut off
+                past the lease); the loop then registers again.
+        """
+        if isinstance(msg, Error):  # logged, never answered (no error ping-pong)
+            if msg.code in ("lost", "not_registered"):
+                # it gave up on us, or it is a restarted router that never knew us
+                raise RouterLost(f"{self.name}: the router does not count this worker "
+                                 f"any more ({msg.code}: {msg.error})")
+            logger.warning("%s: the router refused a message (%s): %s", self.name,
+                           msg.code, msg.error)
+        elif isinstance(msg, Req):
             if self._prompt is not None:
                 self._prompt.inc(len(msg.prompt) // 4)   # int32 ids
             self.on_req(msg)
@@ -170,10 +210,52 @@ class WorkerBase(ABC):
             logger.warning("%s: undecodable message from the router: %s", self.name,
                            msg.detail)
             self.link.send(Error(msg.rid, f"{self.name}: {msg.detail}", msg.code))
-        elif not isinstance(msg, Ping):  # a ping only renews the router's lease
+        elif not isinstance(msg, (Ping, Registered)):
+            # a ping only renews the router's lease; a Registered is a late duplicate
             self.link.errors["unexpected"] += 1
             self.link.send(Error(getattr(msg, "rid", ""), f"{self.name}: a {self.role} "
                                  f"worker does not take {type(msg).__name__}", "unexpected"))
+
+    # -- recovery ------------------------------------------------------------------------
+    def _rejoin(self, lost: RouterLost) -> None:
+        """The router is gone (or gave up on us): end what we hold, keep the model and
+        pools, and register again for ``rejoin_s`` (the DEALER reconnects to a router
+        restarted at the same address by itself).
+
+        Raises:
+            RouterLost: no router took us back in time, or it serves another config.
+        """
+        grace = self.config.rejoin_s
+        if grace <= 0:
+            raise lost
+        logger.warning("%s; ending every request and registering again for up to %.0f s",
+                       lost, grace)
+        self.abandon(f"{self.name} lost its router ({lost}); retry the request")
+        deadline, next_try = time.monotonic() + grace, 0.0
+        while (now := time.monotonic()) < deadline and not self.stopping:
+            if now >= next_try:
+                self.link.send(Register(self.role, self.name, os.getpid()))
+                next_try = now + self.config.heartbeat_s
+            for msg in self.link.recv_all():
+                if isinstance(msg, Registered):
+                    self._rejoined(self._own(ServeConfig.from_dict(msg.config)))
+                    return
+            self.tick()  # the KV plane lives on: peers' leases, copies and pins
+            wait_any([*self.link.sockets(), *self.sockets()], 0.05)
+        if not self.stopping:
+            raise RouterLost(f"{self.name}: no router took this worker back within "
+                             f"{grace:.0f} s ({lost})")
+
+    def _rejoined(self, config: ServeConfig) -> None:
+        if config != self.config:
+            changed = sorted(k for k, v in config.to_dict().items()
+                             if self.config.to_dict()[k] != v)
+            raise RouterLost(f"{self.name}: the router now serves another config "
+                             f"(changed: {changed}); restart this worker to serve it")
+        self._last_router = self._next_load = time.monotonic()
+        pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
+        self.link.send(Ready(self.name, self.kv_address(), pool))
+        logger.warning("%s: registered again with the router; serving", self.name)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -194,9 +276,6 @@ class WorkerBase(ABC):
                 msg.xfer_s)
         self.link.send(msg)
 
-    def send_stats(self) -> None:
-        self.link.send(Stats(self.name, self.stats()))
-
     def send_metrics(self, final: bool = False) -> None:
         """Report this process's metrics to the router (every heartbeat, and last at close)."""
         if final:  # the queues as they are at the end, not at the last heartbeat
@@ -213,6 +292,10 @@ class WorkerBase(ABC):
 
     # -- subclass hooks ------------------------------------------------------------------
     @abstractmethod
+    def build(self) -> None:
+        """Model, pool and KV sockets from ``self.config``."""
+
+    @abstractmethod
     def on_req(self, req: Req) -> None:
         """A request routed to this worker."""
 
@@ -223,6 +306,18 @@ class WorkerBase(ABC):
     @abstractmethod
     def tick(self) -> bool:
         """One round of work; True when there was work (the loop does not wait then)."""
+
+    @abstractmethod
+    def abandon(self, detail: str) -> None:
+        """End every request (``aborted``, ``detail`` says why); keep the pools."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """End every request (``aborted``), free everything, close the pools."""
+
+    def kv_address(self) -> str:
+        """Where decodes reach this worker's KV (a prefill's); empty otherwise."""
+        return ""
 
     def sockets(self) -> list:
         """Extra sockets whose input should wake the idle loop."""
@@ -251,13 +346,17 @@ class WorkerBase(ABC):
         return []
 
     def close(self) -> None:
-        """Free everything, close the pool's free log, say goodbye."""
+        """Free everything (once built), say goodbye with the final stats, close."""
         try:
-            self.send_metrics(final=True)
-            self.send_stats()
+            if self.built:
+                self.built = False
+                self.shutdown()
+                self.send_metrics(final=True)
+                self.link.send(Stats(self.name, self.stats()))
         finally:
-            self.link.close()
-            self.ctx.term()
+            if self.link is not None:
+                self.link.close()
+            self.ctx.destroy(linger=0)  # also closes what a failed build left open
 
 
 def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:

@@ -1,0 +1,56 @@
+"""A worker's registration with the router, with its deadline and its words."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from common.config import ServeConfig
+from common.node.control import Error, Register, Registered
+from common.node.link import ControlLink
+
+logger = logging.getLogger(__name__)
+
+
+class RouterLost(RuntimeError):
+    """The router went silent past the lease or never answered the registration."""
+
+
+def register(link: ControlLink, role: str, name: str, address: str, timeout_s: float
+             ) -> ServeConfig:
+    """Register until the router answers (its config) or ``timeout_s`` passes.
+
+    The DEALER holds the message until a router binds; it is sent again now and then (the
+    router answers a repeated ``Register`` of a worker not yet ready with the same
+    ``Registered``). A name still held by our previous incarnation (``name_taken``) is
+    asked for again shortly: the router releases it once the old process is gone.
+
+    Raises:
+        RouterLost: no answer in time (the message names the address).
+        RuntimeError: the router refused the registration (the message says why).
+    """
+    where = address or "the router"
+    logger.info("%s: registering with the router at %s (up to %.0f s)", name, where,
+                timeout_s)
+    start = time.monotonic()
+    next_try = next_note = start
+    while (now := time.monotonic()) < start + timeout_s:
+        if now >= next_try:
+            link.send(Register(role, name, os.getpid()))
+            next_try = now + 10.0
+        if now >= next_note + 10.0:
+            next_note = now
+            logger.warning("%s: no answer from the router at %s yet (%.0f s of %.0f s)",
+                           name, where, now - start, timeout_s)
+        msg = link.recv(0.2)
+        if isinstance(msg, Registered):
+            return ServeConfig.from_dict(msg.config)
+        if isinstance(msg, Error) and msg.code == "name_taken":
+            logger.warning("%s: %s", name, msg.error)
+            next_try = min(next_try, now + 1.0)
+        elif isinstance(msg, Error):
+            raise RuntimeError(f"{name}: router refused registration: {msg.error}")
+    raise RouterLost(f"{name}: no router answered at {where} within {timeout_s:.0f} s; "
+                     "start `pdkv router --bind ...` there, or pass the address it binds "
+                     "(--router)")

@@ -1,0 +1,72 @@
+"""In-memory fakes of the control plane: real subclasses of ``ControlLink`` and
+``ControlHub`` that carry messages without sockets, for in-process unit tests of workers
+and the router. Every message goes through the real codec, so it is wire-valid."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from common.node import CODEC, ControlHub, ControlLink, Malformed, Message
+
+
+def _wire(msg: Message) -> Message:
+    return CODEC.decode(CODEC.encode(msg))
+
+
+class FakeLink(ControlLink):
+    """A worker's link: what it sends lands in ``sent``; ``inbox`` feeds ``recv``."""
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+        self.inbox: deque[Message | Malformed] = deque()
+        self.errors: Counter[str] = Counter()
+        self.closed = False
+
+    def send(self, msg: Message) -> None:
+        assert not self.closed, f"send({msg}) after close"
+        self.sent.append(_wire(msg))
+
+    def recv(self, timeout_s: float = 0.0) -> Message | Malformed | None:
+        return self.inbox.popleft() if self.inbox else None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def take(self, kind: type) -> list:
+        """Remove and return the sent messages of type ``kind``, in order."""
+        out = [m for m in self.sent if isinstance(m, kind)]
+        self.sent = [m for m in self.sent if not isinstance(m, kind)]
+        return out
+
+
+class FakeHub(ControlHub):
+    """The router's hub: sends land in ``sent`` as (peer, message); ``gone`` peers are
+    unreachable (``send`` returns False), as a ROUTER socket reports them."""
+
+    address = "fake://router"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Message]] = []
+        self.inbox: deque[tuple[bytes, Message | Malformed]] = deque()
+        self.errors: Counter[str] = Counter()
+        self.gone: set[bytes] = set()
+        self.closed = False
+
+    def send(self, peer: bytes, msg: Message) -> bool:
+        if peer in self.gone:
+            return False
+        self.sent.append((peer, _wire(msg)))
+        return True
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
+        return self.inbox.popleft() if self.inbox else None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def take(self, peer: bytes, kind: type | None = None) -> list:
+        """Remove and return what was sent to ``peer`` (of type ``kind``), in order."""
+        mine = [(p, m) for p, m in self.sent
+                if p == peer and (kind is None or isinstance(m, kind))]
+        self.sent = [x for x in self.sent if x not in mine]
+        return [m for _, m in mine]

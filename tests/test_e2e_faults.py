@@ -1,0 +1,204 @@
+"""Faults a deployment survives, with real processes: each story reproduces the fault,
+then shows the deployment serving on with outputs identical to the reference and every
+free log replaying clean (a killed process's log may end without a close; it must still
+hold no violation).
+
+float64 on CPU, short leases (heartbeat 0.2 s, lease 2 s) so the stories stay short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from common.config import ServeConfig
+from common.freelog import replay_file
+from common.model import Model, generate_greedy
+from common.node import Error, Link, StatusReport
+from deploy.driver import drive, router_lost
+from deploy.launcher import Cluster
+from deploy.workload import WorkloadSpec, WorkRequest, make_workload
+
+pytestmark = pytest.mark.timeout(240)
+
+CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
+                  chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=2.0,
+                  rejoin_s=60.0, prefix_load_timeout_s=0.5, debug_integrity=True)
+SPEC = WorkloadSpec(requests=6, seed=5, rate=40.0, prompt_len=(1, 60), output_len=(1, 10))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    model = Model(CFG.model_config())
+    return {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+            for r in make_workload(SPEC, CFG.model_config().vocab_size)}
+
+
+@pytest.fixture
+def start(tmp_path):
+    """Start a cluster; whatever the story's outcome, it is stopped at the end."""
+    made: list[Cluster] = []
+
+    def make(mode: str = "disagg", num_prefill: int = 1, num_decode: int = 1) -> Cluster:
+        made.append(Cluster(CFG, mode, num_prefill, num_decode, log_dir=str(tmp_path)))
+        return made[-1].start()
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+def _serve(cluster: Cluster, spec: WorkloadSpec = SPEC, **params) -> dict:
+    reqs = make_workload(spec, CFG.model_config().vocab_size)
+    results = drive(cluster.client, reqs, params=params, check=cluster.check, timeout_s=120,
+                    lease_s=CFG.lease_s)
+    assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
+    return {rid: r.output_ids for rid, r in results.items()}
+
+
+def _stop_and_replay(cluster: Cluster) -> None:
+    cluster.stop()
+    cluster.check_exit_codes()
+    assert cluster.freelogs()
+    for log in cluster.freelogs():
+        report = replay_file(log)
+        assert report.ok, report.format()
+
+
+def _long(rid: str) -> WorkRequest:
+    return WorkRequest(rid, [(7 * i) % 500 for i in range(200)], 400, 0.0)
+
+
+def test_a_restarted_router_is_rejoined_and_clients_of_the_dead_one_hear_it(start, tmp_path,
+                                                                           reference):
+    cluster = start()
+    router = next(p for p in cluster.procs if p.role == "router")
+    killer = threading.Timer(0.5, router.popen.kill)
+    killer.start()
+    results = drive(cluster.client, [_long("a"), _long("b")], timeout_s=60,
+                    lease_s=CFG.lease_s)
+    killer.join()
+    assert "silent for" in router_lost(results), results     # after the lease, no hang
+    assert "error" in {r.reason for r in results.values()} <= {"error", "length"}
+    cluster.restart("router")                               # same address
+    cluster.wait_ready()                                     # the workers rejoined it
+    for name in ("prefill0", "decode0"):
+        assert "registered again with the router" in (tmp_path / f"{name}.log").read_text()
+    assert _serve(cluster) == reference
+    _stop_and_replay(cluster)
+
+
+def test_pdkv_run_against_a_router_that_dies_fails_within_the_lease(start, tmp_path):
+    cluster = start()
+    router = next(p for p in cluster.procs if p.role == "router")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "run", "--router", cluster.router_addr,
+         "--requests", "4", "--rate", "0", "--prompt-len", "200", "200", "--output-len",
+         "400", "400", "--output", str(tmp_path / "out.jsonl")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while cluster.client.status(5).in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        router.popen.kill()
+        _, err = run.communicate(timeout=30)
+    finally:
+        run.kill()
+    assert run.returncode == 2, err
+    assert "router lost" in err and cluster.router_addr in err
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    reasons = [x["reason"] for x in lines]     # what finished, and why the rest ended
+    assert len(lines) == 4 and "error" in reasons and set(reasons) <= {"length", "error"}
+    cluster.restart("router")
+    cluster.wait_ready()
+    _stop_and_replay(cluster)
+
+
+def test_a_stopped_worker_rejoins_once_continued(start, tmp_path, reference):
+    cluster = start()
+    decode = next(p for p in cluster.procs if p.name == "decode0")
+    os.kill(decode.popen.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while not cluster.client.status(5).workers["decode0"]["lost"]:
+            assert time.monotonic() < deadline, "the router never noticed"
+            time.sleep(0.1)
+    finally:
+        os.kill(decode.popen.pid, signal.SIGCONT)
+    cluster.wait_ready()
+    assert "registered again with the router" in (tmp_path / "decode0.log").read_text()
+    assert _serve(cluster) == reference
+    _stop_and_replay(cluster)
+
+
+def test_both_workers_of_a_request_dying_fails_it_alone_and_restarts_serve(start, reference):
+    cluster = start()
+    client = cluster.client
+    client.submit("doomed", _long("x").prompt, {"max_new_tokens": 400})
+    first = None
+    while first is None:
+        first = next((m for m in client.poll(5) if getattr(m, "rid", "") == "doomed"),
+                     None)
+    for name in ("prefill0", "decode0"):
+        proc = next(p for p in cluster.procs if p.name == name)
+        proc.popen.kill()
+        proc.popen.wait(10)
+    done, deadline = None, time.monotonic() + 30
+    while done is None and time.monotonic() < deadline:
+        done = next((m for m in client.poll(0.5) if getattr(m, "reason", "") == "error"),
+                    None)
+    assert done is not None and "lost" in done.error
+    assert isinstance(client.status(5), StatusReport)        # the router lives on
+    for name in ("prefill0", "decode0"):
+        cluster.restart(name)
+    cluster.wait_ready()
+    assert _serve(cluster) == reference
+    _stop_and_replay(cluster)
+
+
+def test_broken_frames_and_huge_messages_never_stall_the_router(start, reference):
+    cluster = start()
+    evil = Link(cluster.client.ctx, cluster.router_addr, "evil")
+    try:
+        evil.send_raw([b"two", b"frames"])
+        evil.send_raw([b"\xc1 not msgpack"])
+        answers = [evil.recv(10), evil.recv(10)]
+        assert [a.code for a in answers if isinstance(a, Error)] == ["extra_frames",
+                                                                    "malformed"]
+        flood = threading.Thread(target=lambda: [evil.send_raw([b"\0" * (100 << 20)])
+                                                 for _ in range(3)])
+        flood.start()                                        # 3 x 100 MB while serving
+        assert _serve(cluster) == reference
+        flood.join()
+        report = cluster.client.status(5)
+        assert not any(w["lost"] for w in report.workers.values())
+        assert report.errors["extra_frames"] == 1 and report.errors["malformed"] == 1
+    finally:
+        evil.close()
+    _stop_and_replay(cluster)
+
+
+def test_a_seeded_workload_runs_again_against_a_live_deployment(start, reference):
+    cluster = start("colocated", 0, 1)
+    assert _serve(cluster) == reference
+    assert _serve(cluster) == reference                      # the same client rids again
+    sampled = [_serve(cluster, temperature=0.8, seed=3) for _ in range(2)]
+    assert sampled[0] == sampled[1] != reference             # seeded: a rerun samples alike
+    _stop_and_replay(cluster)
+
+
+def test_a_worker_without_a_router_says_so_within_its_deadline(tmp_path):
+    nowhere = f"ipc://{tmp_path}/nobody.sock"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "decode", "--router", nowhere,
+         "--connect-timeout", "2", "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert f"no router answered at {nowhere} within 2 s" in proc.stderr
