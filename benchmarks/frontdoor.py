@@ -59,6 +59,8 @@ def _pass(kind: str, cluster: Cluster, fe: ServerProcess, requests, args, n: int
 
 
 def main(args: argparse.Namespace) -> int:
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.requests = args.requests or (12 if args.quick else 48)
     cfg = config_from_args(args)
     if args.offload is None:
         cfg = cfg.with_overrides(offload=False, overcommit=False)

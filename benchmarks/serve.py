@@ -86,6 +86,8 @@ def _sweep_endpoint(args) -> dict[float, dict]:
 
 
 def main(args: argparse.Namespace) -> int:
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.requests = args.requests or (12 if args.quick else 48)
     if args.endpoint:
         deployments = [(args.endpoint, None)]
     else:
@@ -193,3 +195,9 @@ def plot(out: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    from deploy.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "serve", *sys.argv[1:]]))

@@ -93,6 +93,10 @@ def _run_replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+_BENCH_EPILOG = ("exit status: 0 every goal met (or --report-only), 1 a goal it printed "
+                 "was missed, 2 bad arguments.")
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance measurements against baselines")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -100,19 +104,20 @@ def _add_bench(sub) -> None:
                          description="Move the KV of 1k/8k/32k-token requests (32 layers, 8 "
                                      "KV heads, dim 128, fp16, page 16) prefill -> decode; "
                                      "report GB/s next to raw pyzmq, memcpy and pickle.")
-    t.add_argument("--quick", action="store_true", help="small sizes, under 30 s")
-    t.add_argument("--json", action="store_true", help="print results as JSON")
+    from benchmarks.goals import add_bench_flags  # stdlib only: keeps --help fast
+
+    add_bench_flags(t, quick="small sizes, under 30 s", repeats="5, 2 with --quick")
     t.add_argument("--sizes", type=int, nargs="+", metavar="TOKENS",
                    help="request sizes in tokens (default 1024 8192 32768)")
     t.add_argument("--transports", nargs="+", choices=["tcp", "ipc", "shm"],
                    default=["tcp", "ipc", "shm"],
                    help="transports to measure (default: all; shm = shared-memory pool)")
-    t.add_argument("--repeats", type=int, help="runs per figure; medians are quoted")
     t.add_argument("--pool-tokens", type=int,
                    help="pool size in tokens; larger requests move as several pool-sized "
                         "requests (default 8192, 2048 with --quick)")
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
+    _add_bench_replay(bench)
     _add_bench_serve(bench)
     _add_bench_frontdoor(bench)
     _add_bench_spec(bench)
@@ -124,12 +129,13 @@ def _add_bench_spec(bench) -> None:
                                      "TTFT with and without prefix reuse (in process and "
                                      "through a real 1P1D deployment); host offload GB/s vs a "
                                      "plain copy. Medians and per-repeat spreads.")
+    from benchmarks.goals import add_bench_flags
+
+    add_bench_flags(p, quick="small sizes", repeats="5")
+    p.add_argument("--repeat", dest="repeats", type=int, help=argparse.SUPPRESS)  # old name
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
-    p.add_argument("--repeat", type=int, default=5, help="runs per figure (default 5)")
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per served worker")
-    p.add_argument("--quick", action="store_true", help="small sizes")
-    p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=_run_bench_spec)
 
 
@@ -140,14 +146,15 @@ def _run_bench_spec(args: argparse.Namespace) -> int:
 
 
 def _add_bench_allocator(bench) -> None:
+    from benchmarks.goals import add_bench_flags  # stdlib only: keeps --help fast
+
     a = bench.add_parser("allocator", help="free_kv_row and free-log recording vs baselines",
                          description="free_kv_row of a 128k-token row at page sizes 1, 16 "
-                                     "and 64 against a naive per-slot Python loop, and a "
-                                     "request workload with and without a free log.")
-    a.add_argument("--quick", action="store_true", help="fewer repeats and requests")
-    a.add_argument("--json", action="store_true", help="print results as JSON")
-    a.add_argument("--repeats", type=int, help="runs per figure; medians are quoted "
-                                               "(default 7, 3 with --quick)")
+                                     "and 64, recording on, against a vectorised torch "
+                                     "allocator in the style of sglang's and a naive "
+                                     "per-slot Python loop; a request workload with and "
+                                     "without a free log.", epilog=_BENCH_EPILOG)
+    add_bench_flags(a, quick="3 repeats, 1000 requests", repeats="7, 3 with --quick")
     a.set_defaults(func=_run_bench_allocator)
 
 
@@ -155,6 +162,25 @@ def _run_bench_allocator(args: argparse.Namespace) -> int:
     from benchmarks.allocator import main as allocator_main
 
     return allocator_main(args)
+
+
+def _add_bench_replay(bench) -> None:
+    from benchmarks.goals import add_bench_flags
+
+    p = bench.add_parser("replay", help="pdkv replay events/s vs a bare msgpack decode",
+                         description="Write a realistic decode-node free log, then time "
+                                     "pdkv replay against a bare msgpack decode of the "
+                                     "same file.", epilog=_BENCH_EPILOG)
+    add_bench_flags(p, quick="a 200,000-event log", repeats="3")
+    p.add_argument("--events", type=int, metavar="N",
+                   help="events in the generated log (default 2000000; 200000 with --quick)")
+    p.set_defaults(func=_run_bench_replay)
+
+
+def _run_bench_replay(args: argparse.Namespace) -> int:
+    from benchmarks.replay import main as replay_main
+
+    return replay_main(args)
 
 
 def _run_bench_transfer(args: argparse.Namespace) -> int:
@@ -225,10 +251,11 @@ def _add_spec_host_flags(p: argparse.ArgumentParser) -> None:
                         "request is served without the cached prefix (default 2.0)")
 
 
-def _add_workload_flags(p: argparse.ArgumentParser, requests: int) -> None:
+def _add_workload_flags(p: argparse.ArgumentParser, requests: int | None,
+                        default_help: str = "") -> None:
     g = p.add_argument_group("workload (seeded; rids are a pure function of the seed)")
     g.add_argument("--requests", type=int, default=requests, metavar="R",
-                   help=f"requests to send (default {requests})")
+                   help=f"requests to send (default {default_help or requests})")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed (default 0)")
     g.add_argument("--rate", type=float, default=8.0,
                    help="mean arrival rate, requests/s, Poisson (default 8; 0 = all at once)")
@@ -495,7 +522,10 @@ def _add_bench_serve(bench) -> None:
                    help="rate sweep: requests/s of each point (default: --rate alone)")
     p.add_argument("--layouts", nargs="+", choices=["1p1d", "2p2d"], default=["1p1d"],
                    help="pairs to compare: 1p1d (vs 2 colocated), 2p2d (vs 4 colocated)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per point; medians (default 3)")
+    p.add_argument("--quick", action="store_true",
+                   help="1 repeat of 12 requests per point (unless given)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="runs per point; medians (default 3, 1 with --quick)")
     p.add_argument("--ttft-target", type=float, default=1.0, metavar="S",
                    help="SLO: TTFT target in seconds (default 1.0)")
     p.add_argument("--tpot-target", type=float, default=0.1, metavar="S",
@@ -521,7 +551,7 @@ def _add_bench_serve(bench) -> None:
                         "are then counted from the final usage")
     g.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to generate past end-of-sequence (vLLM extension)")
-    _add_workload_flags(p, 48)
+    _add_workload_flags(p, None, "48, 12 with --quick")
     _add_config_flags(p)
     p.set_defaults(func=_run_bench_serve)
 
@@ -536,14 +566,17 @@ def _add_bench_frontdoor(bench) -> None:
                     "would reuse the previous pass's prefixes).",
         epilog="exit status: 0 goals met; 1 a goal missed (unless --report-only) or a "
                "request failed.")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="pass pairs after one warm-up pair; medians (default 5)")
+    p.add_argument("--quick", action="store_true",
+                   help="1 pass pair of 12 requests after the warm-up (unless given)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="pass pairs after one warm-up pair; medians (default 5, 1 with "
+                        "--quick)")
     p.add_argument("--ttft-target", type=float, default=1.0, help=argparse.SUPPRESS)
     p.add_argument("--tpot-target", type=float, default=0.1, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print results as one JSON object")
     p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    _add_workload_flags(p, 48)
+    _add_workload_flags(p, None, "48, 12 with --quick")
     _add_config_flags(p)
     p.set_defaults(func=_run_bench_frontdoor)
 

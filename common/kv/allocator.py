@@ -123,7 +123,8 @@ class PageAllocator:
         self.counters.record("free", len(pages), reason)
         if self._log is not None:
             self._log.free(self.name, pages, owner, reason.value, ranges)
-        self._push(pages[self._pin_count[pages] == 0])
+        # with no live pin anywhere no page can be pinned: skip the gather
+        self._push(pages[self._pin_count[pages] == 0] if self._pins else pages)
 
     def handoff(self, pages: np.ndarray, owner: str, to: str) -> None:
         """Move ``pages`` (held by ``owner``, checked by the caller) to the owner ``to``."""

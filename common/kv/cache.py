@@ -279,6 +279,12 @@ class KvCache:
 
         Raises before anything changes.
         """
+        if len(merged) == 1 and "swa" not in self._pools:
+            # one range: a slice reads and writes the row without fancy indexing (several
+            # times faster on a 128k-page row at page size 1)
+            start, end = merged[0]
+            idx = slice(start // self.page_size, ceil_div(end, self.page_size))
+            return [(self._pools["full"], idx, self._held_pages(kv, "full", idx, merged))]
         idx = page_indices(merged, self.page_size)
         plan = [(self._pools["full"], idx, self._held_pages(kv, "full", idx, merged))]
         if "swa" in self._pools:
@@ -290,15 +296,19 @@ class KvCache:
             swa_idx = idx[idx >= floor // self.page_size] if above else idx[:0]
             plan.append((self._pools["swa"], swa_idx,
                          self._held_pages(kv, "swa", swa_idx, merged)))
-        return [entry for entry in plan if len(entry[1])]
+        return [entry for entry in plan if len(entry[2])]
 
-    def _held_pages(self, kv: KvRecord, pool: str, idx: np.ndarray,
+    def _held_pages(self, kv: KvRecord, pool: str, idx: np.ndarray | slice,
                     merged: list[tuple[int, int]]) -> np.ndarray:
         """Page ids at row page indices ``idx``; raises ``RangeError`` if one is not held."""
         pages = self._row_pages[pool][kv.row][idx]
-        bad = np.flatnonzero(~self._row_held[pool][kv.row][idx])
-        if len(bad):
-            page, index = int(pages[bad[0]]), int(idx[bad[0]])
+        if isinstance(idx, slice):
+            pages = pages.copy()  # a view of the row table, which later extends overwrite
+        held = self._row_held[pool][kv.row][idx]
+        if not held.all():
+            bad = np.flatnonzero(~held)
+            index = int(np.arange(len(self._row_held[pool][kv.row]))[idx][bad[0]])
+            page = int(pages[bad[0]])
             start, end = range_of_index(merged, self.page_size, index)
             raise RangeError(f"range ({start}, {end}) of {kv.owner!r} covers page {page} of "
                              f"pool {pool!r} (row page {index}), which the row no longer "
