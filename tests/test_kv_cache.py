@@ -308,13 +308,14 @@ def test_shared_memory_pool_is_visible_to_a_process_that_maps_it():
     cache = KvCache(4, 2, shared_memory=True, layout=KvLayout(head_dim=4))
     name = cache.shared_memory_name()
     assert name and cache.shared_memory_name("full") == name
+    token = cache.shared_memory_token()
     code = ("import torch; from common.kv import SharedTensor; "
-            f"t = SharedTensor((4, 1, 2, 2, 1, 4), torch.float32, name={name!r}); "
-            "t.tensor[3].fill_(7.0); t.close()")
+            f"t = SharedTensor((4, 1, 2, 2, 1, 4), torch.float32, name={name!r}, "
+            f"token={token!r}); t.tensor[3].fill_(7.0); t.close()")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert torch.all(cache.data()[3] == 7.0) and torch.all(cache.data()[:3] == 0)
     cache.close()
     with pytest.raises(FileNotFoundError):
         from common.kv import SharedTensor
 
-        SharedTensor((1,), torch.float32, name=name)
+        SharedTensor((1,), torch.float32, name=name, token=token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -56,6 +57,57 @@ def test_bad_control_frames_are_protocol_errors_never_crashes(frame, code):
     with pytest.raises(ProtocolError) as info:
         decode(frame)
     assert info.value.code == code
+
+
+_HELLO = dict(version=3, node="evil", role="decode", model="", num_layers=2,
+              num_draft_layers=1, total_kv_heads=4, head_dim=8, dtype="float32",
+              page_size=4, tp_rank=0, tp_size=1, lease_ms=1000)
+
+
+@pytest.mark.parametrize("kind, fields, what", [
+    ("Hello", {**_HELLO, "shm_pages": -1, "shm_pool": "psm_x"}, "shm_pages=-1"),
+    ("Hello", {**_HELLO, "shm_pool": "../../etc/passwd", "shm_pages": 8}, "segment name"),
+    ("Hello", {**_HELLO, "shm_pool": "a/b"}, "segment name"),
+    ("Hello", {**_HELLO, "shm_pool": ".."}, "segment name"),
+    ("Hello", {**_HELLO, "tp_rank": 2, "tp_size": 2}, "tp_rank=2"),
+    ("Hello", {**_HELLO, "lease_ms": 0}, "lease_ms=0"),
+    ("Hello", {**_HELLO, "num_layers": -3}, "num_layers=-3"),
+    ("Hello", {**_HELLO, "role": "router"}, "role"),
+    ("Hello", {**_HELLO, "node": "a\nFAKE LOG LINE"}, "printable"),
+    ("Announce", {"rid": "r", "prompt_len": -5, "cached_tokens": 0, "dest_pages": b""},
+     "prompt_len=-5"),
+    ("Announce", {"rid": "r", "prompt_len": 8, "cached_tokens": 12,
+                  "dest_pages": b"\1\0\0\0\2\0\0\0"}, "cached_tokens=12"),
+    ("Announce", {"rid": "", "prompt_len": 4, "cached_tokens": 0,
+                  "dest_pages": b"\1\0\0\0"}, "rid must be"),
+    ("Announce", {"rid": "x" * 600, "prompt_len": 4, "cached_tokens": 0,
+                  "dest_pages": b"\1\0\0\0"}, "rid must be"),
+    ("KvChunk", {"rid": "r", "first_block": -1, "num_blocks": 1, "head_start": 0,
+                 "head_end": 4, "nbytes": 8}, "first_block=-1"),
+    ("KvChunk", {"rid": "r", "first_block": 0, "num_blocks": 0, "head_start": 0,
+                 "head_end": 4, "nbytes": 8}, "num_blocks=0"),
+    ("KvWritten", {"rid": "r", "first_block": 0, "num_blocks": 1, "head_start": 3,
+                   "head_end": 1}, "head_end=1"),
+    ("Done", {"rid": "r", "num_blocks": 2, "first_token": -7}, "first_token=-7"),
+    ("Abort", {"rid": "r", "reason": "finished", "detail": ""}, "reason='finished'"),
+    ("Heartbeat", {"seq": -1}, "seq=-1"),
+])
+def test_every_field_is_range_checked_when_decoded(kind, fields, what):
+    with pytest.raises(ProtocolError, match=re.escape(what)) as info:
+        decode(msgpack.packb({"t": kind, **fields}, use_bin_type=True))
+    assert info.value.code == ErrorCode.BAD_FIELD
+
+
+def test_long_or_unprintable_details_are_cut_not_refused():
+    from transport.messages import Abort, Error
+    msg = decode(encode(Error(code="x", detail="a\x1b[31m" + "b" * 9000, rid="")))
+    assert len(msg.detail) == 4096 and msg.detail.startswith("a?[31m")
+    assert decode(encode(Abort(rid="r", reason="timeout", detail="ok"))).detail == "ok"
+
+
+def test_the_segment_token_never_shows_in_a_repr():
+    hello = Hello(**_HELLO, shm_pool="psm_1", shm_pages=4, shm_token=b"secret-token")
+    assert "secret" not in repr(hello) and decode(encode(hello)).shm_token == b"secret-token"
 
 
 def test_ragged_page_id_bytes_are_rejected():
@@ -259,6 +311,11 @@ def test_handshake_times_out_instead_of_hanging(tmp_path):
 
 
 # -- a misbehaving peer: errors answered and counted, the endpoint keeps serving ---------
+def raw(kind: str, **fields) -> bytes:
+    """A control frame as a hostile peer writes it: no checks on our side."""
+    return msgpack.packb({"t": kind, **fields}, use_bin_type=True)
+
+
 def _raw_dealer(ctx, address, hello: Hello | None):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -292,8 +349,8 @@ def test_prefill_answers_garbage_with_errors_and_keeps_serving(pair):
         evil.send(b"\xc1\xc1")                                 # malformed
         evil.send_multipart([encode(Ack(rid="x")), b"extra"])  # frames it may not carry
         evil.send(msgpack.packb({"t": "Announce", "rid": "a"}))  # truncated message
-        evil.send(encode(Announce(rid="a", prompt_len=8, cached_tokens=0,
-                                  dest_pages=b"\x01\x00")))      # ragged page ids
+        evil.send(raw("Announce", rid="a", prompt_len=8, cached_tokens=0,
+                      dest_pages=b"\x01\x00"))                   # ragged page ids
         evil.send(encode(KvChunk(rid="a", first_block=0, num_blocks=1, head_start=0,
                                  head_end=4, nbytes=4)))         # decode-only message
         codes = [m.code for m in _answers(pair.tx, evil, 5)]

@@ -24,19 +24,20 @@ class HandshakeError(RuntimeError):
 
 
 def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str,
-               shm_pool: str = "", shm_pages: int = 0) -> Hello:
+               shm_pool: str = "", shm_pages: int = 0, shm_token: bytes = b"") -> Hello:
     """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only.
 
-    A decode passes its shared pool (``shm_pool``, ``shm_pages``) to offer it."""
+    A decode passes its shared pool (``shm_pool``, ``shm_pages``, ``shm_token``) to offer
+    it."""
+    offer = config.shared_memory and bool(shm_pool)
     return Hello(version=PROTOCOL_VERSION, node=config.node, role=role, model=config.model,
                  num_layers=layout.num_layers, num_draft_layers=layout.num_draft_layers,
                  total_kv_heads=layout.num_kv_heads * config.tp_size,
                  head_dim=layout.head_dim, dtype=layout.dtype, page_size=page_size,
                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                  lease_ms=int(config.lease_s * 1000), host_id=host_id(),
-                 shm_pool=shm_pool if config.shared_memory else "",
-                 shm_pages=shm_pages if config.shared_memory and shm_pool else 0,
-                 model_digest=config.model_digest)
+                 shm_pool=shm_pool if offer else "", shm_pages=shm_pages if offer else 0,
+                 shm_token=shm_token if offer else b"", model_digest=config.model_digest)
 
 
 def check(mine: Hello, theirs: Hello) -> None:

@@ -15,14 +15,17 @@ wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
 from common.codec import Codec, DecodeError, pack_ids, unpack_ids
 
-PROTOCOL_VERSION = 2  # 2: same-host shared-memory data path (KvWritten)
+from . import limits as L
+from .limits import INT32_MAX
+
+PROTOCOL_VERSION = 3  # 2: shared-memory data path (KvWritten); 3: segment token, checks
 MAX_HEADER_BYTES = 64 * 1024
 
 
@@ -76,6 +79,24 @@ class Hello:
     shm_pool: str = ""   # decode: its pool's segment, offered; prefill: the one it mapped
     shm_pages: int = 0   # decode: pages of that pool (its shape follows from the layout)
     model_digest: str = ""  # fingerprint of the weights (target and draft); must match
+    # version 3: the segment's secret, without which it cannot be mapped (decode only)
+    shm_token: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("node", "dtype", "host_id", "model_digest"):
+            L.text(self, name, L.MAX_NAME, empty=name != "node")
+        L.text(self, "model", L.MAX_TEXT)
+        if self.role not in L.ROLES:
+            raise ValueError(f"role={self.role[:40]!r}; allowed: {L.ROLES}")
+        L.ints(self, version=(0, INT32_MAX), num_layers=(1, L.MAX_DIM),
+               num_draft_layers=(0, L.MAX_DIM), total_kv_heads=(1, L.MAX_DIM),
+               head_dim=(1, L.MAX_DIM), page_size=(1, L.MAX_PAGE_SIZE),
+               tp_size=(1, L.MAX_TP), lease_ms=(1, L.MAX_LEASE_MS),
+               shm_pages=(0, INT32_MAX))
+        L.ints(self, tp_rank=(0, self.tp_size - 1))
+        L.segment(self, "shm_pool")
+        if len(self.shm_token) > 64:
+            raise ValueError(f"shm_token of {len(self.shm_token)} bytes; at most 64")
 
 
 @dataclass(frozen=True)
@@ -87,12 +108,22 @@ class Announce:
     cached_tokens: int   # positions [0, cached_tokens) already held (prefix cache); page-aligned
     dest_pages: bytes    # int32 page ids of positions [0, prompt_len) in the decode pool
 
+    def __post_init__(self) -> None:
+        L.rid(self)
+        L.ints(self, prompt_len=(1, INT32_MAX))
+        L.ints(self, cached_tokens=(0, self.prompt_len))
+        if len(self.dest_pages) % 4:
+            raise ValueError(f"dest_pages: {len(self.dest_pages)} bytes is not int32s")
+
 
 @dataclass(frozen=True)
 class Accepted:
     """Prefill -> decode: every decode rank needed for ``rid`` announced; streaming follows."""
 
     rid: str
+
+    def __post_init__(self) -> None:
+        L.rid(self)
 
 
 @dataclass(frozen=True)
@@ -111,6 +142,10 @@ class KvChunk:
     head_end: int
     nbytes: int
 
+    def __post_init__(self) -> None:
+        _check_blocks(self)
+        L.ints(self, nbytes=(0, L.MAX_FRAME_BYTES))
+
 
 @dataclass(frozen=True)
 class KvWritten:
@@ -124,6 +159,9 @@ class KvWritten:
     head_start: int
     head_end: int
 
+    def __post_init__(self) -> None:
+        _check_blocks(self)
+
 
 @dataclass(frozen=True)
 class Done:
@@ -133,6 +171,10 @@ class Done:
     num_blocks: int      # blocks sent in total for this rid to this rank
     first_token: int
 
+    def __post_init__(self) -> None:
+        L.rid(self)
+        L.ints(self, num_blocks=(0, INT32_MAX), first_token=(0, INT32_MAX))
+
 
 @dataclass(frozen=True)
 class Ack:
@@ -140,14 +182,23 @@ class Ack:
 
     rid: str
 
+    def __post_init__(self) -> None:
+        L.rid(self)
+
 
 @dataclass(frozen=True)
 class Abort:
     """Either direction: stop ``rid``; the receiver answers ``AbortAck`` once it stopped."""
 
     rid: str
-    reason: str          # free reason the peer should record: aborted, timeout, error, ...
+    reason: str          # free reason the peer records: one of limits.ABORT_REASONS
     detail: str
+
+    def __post_init__(self) -> None:
+        L.rid(self)
+        if self.reason not in L.ABORT_REASONS:
+            raise ValueError(f"reason={self.reason[:40]!r}; allowed: {L.ABORT_REASONS}")
+        L.cut(self, "detail")
 
 
 @dataclass(frozen=True)
@@ -156,6 +207,9 @@ class AbortAck:
 
     rid: str
 
+    def __post_init__(self) -> None:
+        L.rid(self)
+
 
 @dataclass(frozen=True)
 class Heartbeat:
@@ -163,12 +217,18 @@ class Heartbeat:
 
     seq: int
 
+    def __post_init__(self) -> None:
+        L.ints(self, seq=(0, 1 << 62))
+
 
 @dataclass(frozen=True)
 class Bye:
     """Either direction: clean shutdown; everything held for the sender is released now."""
 
     reason: str
+
+    def __post_init__(self) -> None:
+        L.cut(self, "reason")
 
 
 @dataclass(frozen=True)
@@ -178,6 +238,18 @@ class Error:
     code: str
     detail: str
     rid: str
+
+    def __post_init__(self) -> None:
+        L.text(self, "code", L.MAX_NAME)
+        L.rid(self, empty=True)
+        L.cut(self, "detail")
+
+
+def _check_blocks(msg: KvChunk | KvWritten) -> None:
+    L.rid(msg)
+    L.ints(msg, first_block=(0, INT32_MAX), num_blocks=(1, INT32_MAX),
+           head_start=(0, L.MAX_DIM - 1))
+    L.ints(msg, head_end=(msg.head_start + 1, L.MAX_DIM))
 
 
 Message = (Hello | Announce | Accepted | KvChunk | KvWritten | Done | Ack | Abort | AbortAck

@@ -22,6 +22,7 @@ import numpy as np
 from . import tp
 from .channel import Completion
 from .config import TransportConfig
+from .limits import INT32_MAX
 from .messages import Announce, ErrorCode, Hello, ProtocolError, pages_from_bytes
 
 
@@ -191,13 +192,17 @@ class Outgoing:
 
 
 def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
-                  out: Outgoing | None) -> Leg:
+                  out: Outgoing | None, dest_limit: int | None) -> Leg:
     """The leg a decode rank's ``Announce`` asks for, checked against the prompt's shape
     and the request's other legs.
 
+    Args:
+        dest_limit: pages of the decode pool we write into ourselves (shared memory);
+            every destination page id must lie in ``[1, dest_limit)``.
     Raises:
-        ProtocolError: page ids that do not cover the prompt, a misaligned prefix, ranks
-            that disagree, or a rank that shares no heads with this one.
+        ProtocolError: page ids that do not cover the prompt (or repeat, or are 0 -
+            reserved - or lie outside the pool we write), a misaligned prefix, ranks that
+            disagree, or a rank that shares no heads with this one.
     """
     ps = mine.page_size
     dest = pages_from_bytes(msg.dest_pages, "Announce.dest_pages")
@@ -205,6 +210,12 @@ def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
     if msg.prompt_len < 1 or len(dest) != total:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"prompt_len={msg.prompt_len} needs "
                             f"{total} dest pages, got {len(dest)}", msg.rid)
+    high = INT32_MAX if dest_limit is None else dest_limit - 1
+    if len(dest) and not 1 <= int(dest.min()) <= int(dest.max()) <= high:
+        raise ProtocolError(ErrorCode.BAD_RANGE, f"dest pages {int(dest.min())}.."
+                            f"{int(dest.max())} outside [1, {high}]", msg.rid)
+    if len(np.unique(dest)) != len(dest):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "dest pages repeat a page", msg.rid)
     if msg.cached_tokens % ps or not 0 <= msg.cached_tokens <= msg.prompt_len:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"cached_tokens={msg.cached_tokens} "
                             f"must be page-aligned and <= prompt_len", msg.rid)

@@ -38,6 +38,7 @@ from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .incoming import Incoming, InLeg, InState
+from .limits import ABORT_REASONS
 from .link import Inbound
 from .messages import (
     Abort,
@@ -82,9 +83,10 @@ class KvReceiver:
         self.pool = PoolView(cache.data())
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
-        shm_name = getattr(cache, "shared_memory_name", lambda: None)() or ""
+        shm_name = cache.shared_memory_name() or ""
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
-                                     shm_pool=shm_name, shm_pages=cache.num_pages)
+                                     shm_pool=shm_name, shm_pages=cache.num_pages,
+                                     shm_token=cache.shared_memory_token())
         self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats)
 
     @property
@@ -129,12 +131,12 @@ class KvReceiver:
                              f"not page-aligned within prompt_len={prompt_len}")
         legs = {key: InLeg(key, heads) for key, heads in self.link.legs_for(group).items()}
         dest = np.asarray(self.cache.pages(kv, 0, prompt_len), np.int64)
+        msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
+                       dest_pages=pages_to_bytes(dest))  # checks rid and counts first
         todo = dest[cached_tokens // ps:]
         pin = self.cache.pin_pages(todo, reason="receive") if len(todo) else None
         self.transfers[rid] = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest, pin,
                                        legs)
-        msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
-                       dest_pages=pages_to_bytes(dest))
         for key in legs:
             self.peers[key].rids.add(rid)
             self.link.send(key, msg)
@@ -142,6 +144,8 @@ class KvReceiver:
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards its prefill ranks; the destination pin stays until each
         acknowledges or is lost. Returns False when rid is unknown or already final."""
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"abort({rid!r}): reason={reason!r}; allowed: {ABORT_REASONS}")
         inc = self.transfers.get(rid)
         if inc is None or inc.state == InState.CLOSED:
             return False
@@ -164,7 +168,14 @@ class KvReceiver:
                 self._on_message(item)
             except ProtocolError as exc:
                 self.link.send_error(item.peer.key, item.peer.name, exc)
-                self._fail_rid(exc.rid, "error", str(exc))
+                self._fail_rid(exc.rid, "error", str(exc), by=item.peer)
+            except Exception as exc:  # a bug here must not take the worker down
+                rid = getattr(item.msg, "rid", None)
+                logger.exception("%s: handling %s from %s", self.config.node,
+                                 type(item.msg).__name__, item.peer.name)
+                self.link.send_error(item.peer.key, item.peer.name, ProtocolError(
+                    ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid))
+                self._fail_rid(rid, "error", f"internal error: {exc}", by=item.peer)
         for peer, why, clean in polled.lost:
             self._lose(peer, why, clean)
         now = time.monotonic()
@@ -213,7 +224,8 @@ class KvReceiver:
             self.stats["errors_recv"] += 1
             logger.warning("%s: peer %s reports %r: %r", self.config.node, peer.name,
                            msg.code, msg.detail)
-            self._fail_rid(msg.rid, "error", f"peer error {msg.code}: {msg.detail}")
+            self._fail_rid(msg.rid, "error", f"peer error {msg.code}: {msg.detail}",
+                           by=peer)
         elif not isinstance(msg, Heartbeat):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{type(msg).__name__} is not sent to "
                                 "a decode endpoint")
@@ -282,9 +294,13 @@ class KvReceiver:
         self.events.emit(kind, inc.rid, reason=reason, detail=detail,
                          first_token=first_token, prompt_len=inc.prompt_len)
 
-    def _fail_rid(self, rid: str | None, reason: str, detail: str) -> None:
+    def _fail_rid(self, rid: str | None, reason: str, detail: str,
+                  by: Peer | None = None) -> None:
+        """Fail ``rid`` if it is open here; a peer's fault (``by``) fails only a request
+        that peer serves, so nobody can fail another prefill's request by naming it."""
         inc = self.transfers.get(rid or "")
-        if inc is None or inc.state == InState.CLOSED:
+        if inc is None or inc.state == InState.CLOSED or (by is not None
+                                                          and by.key not in inc.legs):
             return
         logger.warning("%s: %s failed (%s): %s", self.config.node, inc.rid, reason, detail)
         self._abort_legs(inc, reason, detail)

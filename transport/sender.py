@@ -33,6 +33,7 @@ from . import handshake, tp
 from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
+from .limits import ABORT_REASONS
 from .link import Inbound
 from .messages import (
     Abort,
@@ -141,6 +142,8 @@ class KvSender:
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards every decode rank; pins stay until each acknowledges or
         is lost. Returns False when ``rid`` is unknown or already final here."""
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"abort({rid!r}): reason={reason!r}; allowed: {ABORT_REASONS}")
         out = self.transfers.get(rid)
         if out is None or out.state.is_final:
             return False
@@ -180,6 +183,15 @@ class KvSender:
                 self._on_message(item)
             except ProtocolError as exc:
                 self.link.send_error(item.peer.key, item.peer.name, exc)
+            except Exception as exc:  # a bug here must not take the worker down
+                rid = getattr(item.msg, "rid", None)
+                logger.exception("%s: handling %s from %s", self.config.node,
+                                 type(item.msg).__name__, item.peer.name)
+                self.link.send_error(item.peer.key, item.peer.name, ProtocolError(
+                    ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid))
+                out = self.transfers.get(rid or "")
+                if out is not None and not out.state.is_final:
+                    self._fail(out, "error", f"internal error: {exc}")
         for peer, why, clean in polled.lost:
             self._lose(peer, why, clean)
 
@@ -212,7 +224,8 @@ class KvSender:
         if out is not None and peer.key in out.legs:
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} announced twice",
                                 msg.rid)
-        leg = announced_leg(self.hello, peer.key, peer.hello, msg, out)
+        limit = peer.hello.shm_pages if peer.key in self.link.shm else None
+        leg = announced_leg(self.hello, peer.key, peer.hello, msg, out, limit)
         out = out or self.transfers.setdefault(msg.rid, Outgoing(msg.rid))
         h, ps = self.hello, self.hello.page_size
         expected = len(tp.peer_ranks(h.total_kv_heads, h.tp_size, h.tp_rank,

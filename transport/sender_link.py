@@ -16,12 +16,14 @@ from collections import Counter
 
 import zmq
 
+from common.kv import SegmentError
+
 from . import handshake, shm, tp
 from .channel import DataChannel, PoolView, ZmqChannel
 from .config import TransportConfig
 from .events import Event, EventKind
 from .link import Inbound, LinkPoll, count_error, is_unreachable, parse
-from .messages import Bye, ErrorCode, Heartbeat, Hello, Message, ProtocolError, encode
+from .messages import Bye, Error, ErrorCode, Heartbeat, Hello, Message, ProtocolError, encode
 from .peers import PeerTable
 from .sockets import RouterSocket
 
@@ -103,7 +105,11 @@ class SenderLink:
                                     peer=theirs.node))
             return
         self.drop_peer(key)  # a reconnect under the same routing id maps afresh
-        channel = self._map_shm(theirs)
+        try:
+            channel = self._map_shm(theirs)
+        except SegmentError as exc:
+            self._refuse_shm(out, key, theirs, exc)
+            return
         if channel is not None:
             self.shm[key] = channel
         self.paths[key] = "shm" if channel is not None else self.address.split(":", 1)[0]
@@ -113,6 +119,16 @@ class SenderLink:
         peer = self.peers.add(key, theirs, now, next_heartbeat=now)
         logger.info("%s: peer %s connected (data path %s)", self.config.node, peer.name,
                     "shm" if channel else "zmq")
+
+    def _refuse_shm(self, out: LinkPoll, key: bytes, theirs: Hello,
+                    exc: SegmentError) -> None:
+        """A decode offered a pool we must not map: refuse the handshake, loudly."""
+        self.stats["shm_refused"] += 1
+        self.stats["errors.handshake"] += 1
+        detail = f"refused the offered shared-memory pool: {exc}"
+        logger.error("%s: handshake from %r %s", self.config.node, theirs.node, detail)
+        self.send(key, Error(code=ErrorCode.HANDSHAKE.value, detail=detail, rid=""))
+        out.events.append(Event(EventKind.HANDSHAKE_FAILED, detail=detail, peer=theirs.node))
 
     def _map_shm(self, theirs: Hello) -> shm.ShmChannel | None:
         """The shared-memory channel to a decode that offers its pool on this host."""

@@ -25,7 +25,7 @@ import socket
 from collections import Counter
 from functools import cache
 
-from common.kv import KvLayout, SharedTensor, copy_pages
+from common.kv import KvLayout, SegmentError, SharedTensor, copy_pages
 
 from .channel import BlockRun, Completion, DataChannel, PoolView
 from .messages import Hello, KvWritten, encode
@@ -46,16 +46,27 @@ def host_id() -> str:
 
 
 def attach(decode: Hello) -> SharedTensor | None:
-    """Map the pool a decode ``Hello`` offers; None (logged) when it cannot be mapped."""
+    """Map the pool a decode ``Hello`` offers; None (logged) when no such segment exists
+    here (the decode runs in another ``/dev/shm`` namespace): the leg then uses frames.
+
+    Raises:
+        SegmentError: the offer names something that must not be mapped - not a segment
+            name, not a pdkv pool of exactly the offered shape, not ours to write, or the
+            wrong token (someone else's pool). The handshake is refused.
+    """
+    if decode.shm_pages < 1:
+        raise SegmentError(f"{decode.node} offers pool {decode.shm_pool!r} of "
+                           f"{decode.shm_pages} pages")
     heads = decode.total_kv_heads // decode.tp_size
     layout = KvLayout(num_layers=decode.num_layers, num_draft_layers=decode.num_draft_layers,
                       num_kv_heads=heads, head_dim=decode.head_dim, dtype=decode.dtype)
     shape = (decode.shm_pages, *layout.page_shape(decode.page_size))
     try:
-        return SharedTensor(shape, layout.torch_dtype, name=decode.shm_pool)
-    except (OSError, ValueError) as exc:  # another /dev/shm namespace, or a wrong size
-        logger.warning("cannot map %s's pool %r: %s; using ZMQ frames", decode.node,
-                       decode.shm_pool, exc)
+        return SharedTensor(shape, layout.torch_dtype, name=decode.shm_pool,
+                            token=decode.shm_token)
+    except FileNotFoundError:
+        logger.warning("cannot map %s's pool %r: not on this host's /dev/shm; using ZMQ "
+                       "frames", decode.node, decode.shm_pool)
         return None
 
 

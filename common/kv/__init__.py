@@ -9,8 +9,9 @@ from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
 from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
-from common.kv.shared_tensor import SharedTensor
+from common.kv.shared_tensor import SegmentError, SharedTensor, valid_segment_name
 
 __all__ = ["PAGE_STATES", "FreeReason", "KvCache", "KvLayout", "KvRecord", "OutOfPages",
-           "PageAllocator", "PoolStats", "RangeError", "SharedTensor", "ceil_align", "ceil_div",
-           "check_pages", "copy_pages", "page_runs"]
+           "PageAllocator", "PoolStats", "RangeError", "SegmentError", "SharedTensor",
+           "ceil_align", "ceil_div", "check_pages", "copy_pages", "page_runs",
+           "valid_segment_name"]

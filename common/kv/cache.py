@@ -94,6 +94,12 @@ class KvCache:
         shared = self._shared.get(pool)
         return None if shared is None else shared.name
 
+    def shared_memory_token(self, pool: str = "full") -> bytes:
+        """The secret a process needs, with the name, to map ``data(pool)`` (b"" if
+        private). Hand it only to peers that may write the pool."""
+        shared = self._shared.get(pool)
+        return b"" if shared is None else shared.token
+
     def _shared_tensor(self, num_pages: int) -> SharedTensor:
         if self.device.type != "cpu":
             raise ValueError(f"shared_memory=True needs a CPU pool, not {self.device}")
