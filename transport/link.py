@@ -46,6 +46,7 @@ class LinkPoll:
     inbound: list[Inbound] = field(default_factory=list)
     lost: list[tuple[Peer, str, bool]] = field(default_factory=list)  # (peer, why, clean)
     events: list[Event] = field(default_factory=list)                # handshakes refused
+    more: bool = False  # the drain stopped early: more may be waiting (poll again, 0 s)
 
 
 def parse(frames: list[zmq.Frame]) -> tuple[Message, list[zmq.Frame]]:

@@ -39,7 +39,7 @@ from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .incoming import Incoming, InLeg, InState
 from .limits import ABORT_REASONS
-from .link import Inbound
+from .link import Inbound, LinkPoll
 from .messages import (
     Abort,
     AbortAck,
@@ -59,9 +59,10 @@ from .messages import (
 )
 from .peers import Peer, PeerTable
 from .receiver_data import land_chunk
-from .receiver_link import ReceiverLink
+from .receiver_link import DRAIN_BYTES, ReceiverLink
 
 logger = logging.getLogger(__name__)
+MAX_POLL_BYTES = 256 << 20  # one poll lands at most about this much, then returns
 
 
 class KvReceiver:
@@ -160,7 +161,19 @@ class KvReceiver:
         Returns:
             events since the last call, oldest first.
         """
-        polled = self.link.poll(timeout_s)
+        polled, budget = self.link.poll(timeout_s), MAX_POLL_BYTES
+        self._take(polled)
+        while polled.more and budget > 0:  # land what we hold before reading on
+            budget -= DRAIN_BYTES
+            polled = self.link.poll(0)
+            self._take(polled)
+        now = time.monotonic()
+        for inc in list(self.transfers.values()):
+            self._check_deadlines(inc, now)
+            self._maybe_release(inc)
+        return self.events.take()
+
+    def _take(self, polled: LinkPoll) -> None:
         for item in polled.inbound:
             try:
                 if item.error is not None:
@@ -176,13 +189,9 @@ class KvReceiver:
                 self.link.send_error(item.peer.key, item.peer.name, ProtocolError(
                     ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid))
                 self._fail_rid(rid, "error", f"internal error: {exc}", by=item.peer)
+        polled.inbound.clear()  # frees the frames we landed before the next are read
         for peer, why, clean in polled.lost:
             self._lose(peer, why, clean)
-        now = time.monotonic()
-        for inc in list(self.transfers.values()):
-            self._check_deadlines(inc, now)
-            self._maybe_release(inc)
-        return self.events.take()
 
     def sockets(self) -> list[zmq.Socket]:
         """The sockets a worker's loop may wait on (readable: call ``poll``)."""

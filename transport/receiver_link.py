@@ -22,9 +22,11 @@ from .peers import PeerTable
 from .sockets import DealerSocket
 
 logger = logging.getLogger(__name__)
-# One poll takes at most this many messages off one socket, so a fast sender cannot keep
-# a drain going (and its frames piling up here) while leases and deadlines wait.
-MAX_DRAIN = 256
+# One poll takes data frames off the sockets until it holds this many bytes, then hands
+# them over (``LinkPoll.more``): each frame is copied into the pool and freed before the
+# next are read, so ZMQ's buffers are reused while warm instead of piling up here.
+DRAIN_BYTES = 16 << 20
+MAX_DRAIN = 256  # messages per socket and poll, however small
 
 
 class ReceiverLink:
@@ -44,6 +46,7 @@ class ReceiverLink:
         self.paths: dict[bytes, str] = {}   # peer -> data path: shm, tcp or ipc
         self.groups: list[list[bytes]] = []
         self._poller = zmq.Poller()
+        self._turn = 0
 
     # -- connection ----------------------------------------------------------------------
     def connect(self, addresses: list[str] | str) -> int:
@@ -135,20 +138,28 @@ class ReceiverLink:
         find lost peers."""
         out = LinkPoll()
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        for key, sock in list(self.sockets.items()):
-            if sock.sock in ready:
-                self._drain(out, key, sock)
+        socks = list(self.sockets.items())
+        self._turn = (self._turn + 1) % max(1, len(socks))  # no socket starves the others
+        budget = [DRAIN_BYTES]
+        for key, sock in socks[self._turn:] + socks[:self._turn]:
+            if sock.sock in ready and self._drain(out, key, sock, budget):
+                out.more = True
+                break
         due, expired = self.peers.tick(time.monotonic())
         for peer in due:
             self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq))
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
 
-    def _drain(self, out: LinkPoll, key: bytes, sock: DealerSocket) -> None:
+    def _drain(self, out: LinkPoll, key: bytes, sock: DealerSocket, budget: list[int]) -> bool:
+        """Take ``sock``'s messages; True when the byte budget ran out first."""
         for _ in range(MAX_DRAIN):
+            if budget[0] <= 0:
+                return True
             frames = sock.recv_nowait()
             if frames is None:
-                return
+                return False
+            budget[0] -= sum(len(f.buffer) for f in frames[1:])
             self.stats["msgs_recv"] += 1
             self.peers.touch(key, time.monotonic())
             peer = self.peers.live(key)
@@ -164,6 +175,7 @@ class ReceiverLink:
                 out.lost.append((peer, f"said Bye ({msg.reason!r})", True))
             else:
                 out.inbound.append(Inbound(peer, msg, data))
+        return True
 
     def send_error(self, key: bytes, who: str, exc: ProtocolError) -> None:
         """Count, log and answer a protocol error."""
