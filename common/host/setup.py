@@ -55,17 +55,12 @@ def close_offloader(off: Offloader | None, timeout_s: float) -> None:
 class _SlowCopyEngine(CopyEngine):
     """``CopyEngine`` whose CPU copies each start ``delay_s`` late (tests only)."""
 
+    steal = False  # a waiter must not run a delayed copy early
+
     def __init__(self, device: str, delay_s: float) -> None:
         self.delay_s = delay_s
         super().__init__(device)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, src, src_pages, dst, dst_pages = item
-            time.sleep(self.delay_s)
-            try:
-                copy_pages(src, src_pages, dst, dst_pages)
-            except BaseException as exc:  # reported to the job's owner
-                job.set_done(exc)
-            else:
-                job.set_done()
+    def _copy(self, src, src_pages, dst, dst_pages) -> None:
+        time.sleep(self.delay_s)
+        copy_pages(src, src_pages, dst, dst_pages)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -133,12 +133,17 @@ class HostTier:
 
 
 class CopyJob:
-    """One submitted copy; ``done()`` polls, ``wait(timeout)`` blocks, ``error`` says why."""
+    """One submitted copy; ``done()`` polls, ``wait(timeout)`` blocks, ``error`` says why.
 
-    def __init__(self) -> None:
+    A waiter whose CPU copy has not started yet runs it in its own thread (when its
+    engine allows it) instead of sleeping while the engine's thread wakes up for it.
+    """
+
+    def __init__(self, engine: CopyEngine | None = None) -> None:
         self.error: BaseException | None = None
         self._event = threading.Event()
         self._cuda_event: torch.cuda.Event | None = None
+        self._engine = engine
 
     def set_done(self, error: BaseException | None = None) -> None:
         """For engines: the copy finished (with ``error`` when it failed)."""
@@ -151,8 +156,15 @@ class CopyJob:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the copy finished or ``timeout`` seconds passed; True when done."""
+        """Block until the copy finished or ``timeout`` seconds passed; True when done.
+
+        A zero timeout only polls. Otherwise, when the job is next and its engine idle,
+        this call runs the copy itself, to its end; the timeout bounds waiting for a copy
+        that another thread runs."""
         if self._cuda_event is None:
+            if self._engine is not None and not self._event.is_set() and (
+                    timeout is None or timeout > 0):
+                self._engine.run_if_next(self)
             return self._event.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._cuda_event.query():  # Event.synchronize() has no timeout
@@ -165,19 +177,27 @@ class CopyJob:
 class CopyEngine:
     """Runs page copies in submission order, off the caller's thread or stream.
 
+    On CPU, one worker thread runs the queue; a thread that waits for a job which is
+    next while nothing runs takes it over (``run_if_next``), so a synchronous wait (a
+    prefix load the worker needs now) costs no thread handoff either way. Order holds:
+    one copy at a time, in submission order.
+
     Args:
         device: the device pool's device; CUDA uses a side stream, CPU a worker thread.
     """
 
+    steal = True  # waiters may run their own next job (a test engine that delays says no)
+
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._queue: queue.Queue | None = None
+        self._jobs: deque[tuple] = deque()
+        self._cond = threading.Condition()
+        self._busy = False     # a copy is running, on the worker or in a waiter's thread
         self._closed = False
         if self._cuda:
             self._stream = torch.cuda.Stream(self.device)
         else:
-            self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="kv-offload-copy",
                                             daemon=True)
             self._thread.start()
@@ -185,12 +205,15 @@ class CopyEngine:
     def submit(self, src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
                dst_pages: np.ndarray) -> CopyJob:
         """Start ``dst[dst_pages] = src[src_pages]``; the caller pins both sides until done."""
-        job = CopyJob()
         if self._closed:
             raise RuntimeError("CopyEngine is closed")
-        if self._queue is not None:
-            self._queue.put((job, src, src_pages, dst, dst_pages))
+        if not self._cuda:
+            job = CopyJob(self if self.steal else None)
+            with self._cond:
+                self._jobs.append((job, src, src_pages, dst, dst_pages))
+                self._cond.notify_all()
             return job
+        job = CopyJob()
         # The side stream waits for the compute stream, which wrote the KV being copied.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -199,24 +222,51 @@ class CopyEngine:
             job._cuda_event.record(self._stream)
         return job
 
+    def run_if_next(self, job: CopyJob) -> None:
+        """Run ``job`` in the calling thread if it is next in line and no copy runs."""
+        with self._cond:
+            if self._busy or not self._jobs or self._jobs[0][0] is not job:
+                return
+            item = self._jobs.popleft()
+            self._busy = True
+        self._execute(item)
+
     def close(self) -> None:
         """Finish queued copies and stop the worker thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._queue is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._queue = None
-        elif self._cuda:
+        if self._cuda:
             self._stream.synchronize()
+            return
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, src, src_pages, dst, dst_pages = item
-            try:
-                copy_pages(src, src_pages, dst, dst_pages)
-            except BaseException as exc:  # reported to the job's owner, never lost
-                job.set_done(exc)
-            else:
-                job.set_done()
+        while True:
+            with self._cond:
+                while self._busy or not (self._jobs or self._closed):
+                    self._cond.wait()
+                if not self._jobs:  # closed, and every copy done
+                    return
+                item = self._jobs.popleft()
+                self._busy = True
+            self._execute(item)
+
+    def _execute(self, item: tuple) -> None:
+        job, src, src_pages, dst, dst_pages = item
+        try:
+            self._copy(src, src_pages, dst, dst_pages)
+        except BaseException as exc:  # reported to the job's owner, never lost
+            job.set_done(exc)
+        else:
+            job.set_done()
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _copy(self, src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
+              dst_pages: np.ndarray) -> None:
+        copy_pages(src, src_pages, dst, dst_pages)

@@ -1,0 +1,118 @@
+"""The one page-run copier (common/kv/page_copy.py): every way it moves pages is byte-exact
+against a page-by-page reference, and it refuses page ids outside either pool."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from common.host import CopyEngine
+from common.kv import check_pages, copy_pages, page_runs
+
+
+def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):
+    want = dst.clone()
+    for a, b in zip(src_pages, dst_pages):
+        want[b, :, :, :, dh] = src[a, :, :, :, sh]
+    return want
+
+
+def test_runs_are_maximal_on_both_sides_and_cut_to_a_cap():
+    src, dst = np.array([3, 4, 5, 9, 12]), np.array([7, 8, 9, 2, 3])
+    assert page_runs(src, dst) == [(3, 7, 3), (9, 2, 1), (12, 3, 1)]
+    assert page_runs(np.arange(10, 17), max_len=3) == [(10, 10, 3), (13, 13, 3), (16, 16, 1)]
+    with pytest.raises(ValueError, match="3 source pages but 2"):
+        page_runs(src[:3], dst[:2])
+
+
+@pytest.mark.parametrize("case", ["dst runs", "src runs", "both scattered"])
+def test_scattered_large_pages_are_byte_exact_on_every_path(case):
+    page = (2, 2, 16, 4, 128)                         # 64 KiB float32 pages
+    src = torch.randn((200, *page))
+    dst = torch.zeros_like(src)
+    rng = np.random.default_rng(7)
+    scattered = rng.permutation(np.arange(1, 200))[:120]
+    run = np.arange(60, 180)
+    src_pages, dst_pages = {"dst runs": (scattered, run), "src runs": (run, scattered),
+                            "both scattered": (scattered, scattered[::-1].copy())}[case]
+    want = _reference(src, src_pages, dst, dst_pages)
+    assert copy_pages(src, src_pages, dst, dst_pages) == len(
+        page_runs(src_pages, dst_pages))
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("sh, dh", [((0, 4), (0, 4)), ((2, 4), (0, 2)), ((0, 2), (2, 4))])
+def test_head_slices_between_numpy_byte_views_and_tensors(sh, dh):
+    src = torch.randn(16, 3, 2, 4, 4, 8)
+    dst = torch.zeros_like(src)
+    sp, dp = np.array([3, 4, 5, 9, 10, 11]), np.array([7, 8, 2, 3, 4, 12])
+    want = _reference(src, sp, dst, dp, slice(*sh), slice(*dh))
+    as_bytes = lambda t: t.view(torch.uint8).numpy()  # noqa: E731  [.., heads, dim*4]
+    copy_pages(as_bytes(src), sp, as_bytes(dst), dp, src_heads=slice(*sh),
+               dst_heads=slice(*dh))
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("bad", [[-1], [16], [3, 99]])
+def test_page_ids_outside_either_pool_are_refused_before_any_copy(bad):
+    src, dst = torch.ones(16, 4), torch.zeros(16, 4)
+    with pytest.raises(IndexError, match="outside a pool of 16 pages"):
+        copy_pages(src, np.array([1] * len(bad)), dst, np.array(bad))
+    with pytest.raises(IndexError, match="source page ids"):
+        copy_pages(src, np.array(bad), dst, np.array([1] * len(bad)))
+    assert not dst.any()
+    check_pages(np.array([0, 15]), 16)
+
+
+class RecordingEngine(CopyEngine):
+    """Records which thread ran each copy; a copy of ``gate_pages`` waits for ``gate``."""
+
+    def __init__(self):
+        self.ran: list[tuple[int, str]] = []
+        self.gate, self.gate_pages = threading.Event(), -1
+        super().__init__("cpu")
+
+    def _copy(self, src, src_pages, dst, dst_pages):
+        if int(src_pages[0]) == self.gate_pages:
+            self.gate.wait(5)
+        self.ran.append((int(src_pages[0]), threading.current_thread().name))
+        super()._copy(src, src_pages, dst, dst_pages)
+
+
+def test_copies_run_in_order_and_a_waiter_never_jumps_a_running_copy():
+    engine = RecordingEngine()
+    src, dst = torch.arange(16.0).view(16, 1), torch.zeros(16, 1)
+    try:
+        engine.gate_pages = 1
+        first = engine.submit(src, np.array([1]), dst, np.array([9]))   # held at the gate
+        second = engine.submit(src, np.array([2]), dst, np.array([10]))
+        assert not second.wait(0.2)          # the first still runs: nobody jumps the queue
+        assert not second.wait(0)            # a zero timeout only polls
+        engine.gate.set()
+        assert second.wait(5) and first.done()
+        assert [page for page, _ in engine.ran] == [1, 2]
+        assert dst.view(-1)[9:11].tolist() == [1.0, 2.0]
+    finally:
+        engine.close()
+
+
+class WaitersOnlyEngine(RecordingEngine):
+    """No worker thread takes jobs: only their waiters run them."""
+
+    def _run(self) -> None:
+        return
+
+
+def test_a_waiter_runs_its_own_next_copy_in_its_own_thread():
+    engine = WaitersOnlyEngine()
+    src, dst = torch.arange(16.0).view(16, 1), torch.zeros(16, 1)
+    first = engine.submit(src, np.array([5]), dst, np.array([1]))
+    second = engine.submit(src, np.array([6]), dst, np.array([2]))
+    assert not second.wait(0.1)              # not next: it waits (and times out)
+    assert first.wait(1) and second.wait(1)
+    me = threading.current_thread().name
+    assert engine.ran == [(5, me), (6, me)] and dst.view(-1)[1:3].tolist() == [5.0, 6.0]
+    engine.close()
