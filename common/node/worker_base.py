@@ -31,7 +31,6 @@ import zmq
 
 from common.config import ServeConfig
 from common.kv import KvCache
-from common.metrics import NodeMetrics, pack
 from common.model import Model, ModelRunner
 from common.node.control import (
     Abort,
@@ -39,19 +38,17 @@ from common.node.control import (
     Load,
     Malformed,
     Message,
-    MetricsReport,
     Ping,
-    Prefilled,
     Ready,
     Register,
     Registered,
     Req,
     Shutdown,
     Stats,
-    Tokens,
 )
 from common.node.link import ControlLink, Link, wait_any
 from common.node.registration import RouterLost, register
+from common.node.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +84,9 @@ class WorkerBase(ABC):
         self.built = False
         self.stopping = False
         self._last_router = self._next_load = 0.0
-        self.metrics = NodeMetrics(self.role)
+        self.counting = WorkerMetrics(self.role, self.metric_readings)
+        self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
-        # only the worker that generates (computes the prompt) counts tokens (prompt)
-        self._generated = None if self.role == "prefill" else self.metrics.counter(
-            "pdkv_generation_tokens_total")
-        self._prompt = None if self.role == "decode" else self.metrics.counter(
-            "pdkv_prompt_tokens_total")
-        self._last_load: Load | None = None
-        self.metrics.read(self._load_readings)
-        self.metrics.read(self.metric_readings)
 
     # -- life ------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -154,8 +144,7 @@ class WorkerBase(ABC):
                         log_path=log, node=self.name, max_rows=cfg.max_rows,
                         shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
-        self.metrics.watch_pools("device", cache.pool_stats)
-        self.metrics.set_info(**build_info(self.config, cache))
+        self.counting.watch(cfg, cache)
         return model, cache, ModelRunner(model, cache, draft)
 
     # -- loop ----------------------------------------------------------------------------
@@ -198,8 +187,7 @@ class WorkerBase(ABC):
             logger.warning("%s: the router refused a message (%s): %s", self.name,
                            msg.code, msg.error)
         elif isinstance(msg, Req):
-            if self._prompt is not None:
-                self._prompt.inc(len(msg.prompt) // 4)   # int32 ids
+            self.counting.on_req(msg)
             self.on_req(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.rid)
@@ -261,34 +249,26 @@ class WorkerBase(ABC):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
-            self._last_load = self.load()
-            self.link.send(self._last_load)
-            self.send_metrics()
+            load = self.load()
+            self.link.send(load)
+            self._report(load)
 
     def send(self, msg: Message) -> None:
-        if isinstance(msg, Tokens) and self._generated is not None:
-            self._generated.inc(len(msg.ids))
-        elif isinstance(msg, Prefilled) and msg.reason == "sent" and self.cache is not None:
-            page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
-            self.metrics.counter("pdkv_transfer_pages_total").labels(direction="sent").inc(
-                msg.kv_bytes // page_bytes)
-            self.metrics.histogram("pdkv_transfer_seconds").labels(direction="sent").observe(
-                msg.xfer_s)
+        self.counting.on_send(msg, self.cache)
         self.link.send(msg)
 
-    def send_metrics(self, final: bool = False) -> None:
-        """Report this process's metrics to the router (every heartbeat, and last at close)."""
-        if final:  # the queues as they are at the end, not at the last heartbeat
-            try:
-                self._last_load = self.load()
-            except Exception:  # parts already closed: keep the last heartbeat's
-                logger.debug("%s: no load at close", self.name, exc_info=True)
+    def _report(self, load: Load | None, final: bool = False) -> None:
+        """This process's metrics to the router (every heartbeat, and last at close)."""
+        if (report := self.counting.report(self.name, load, final)) is not None:
+            self.link.send(report)
+
+    def _final_load(self) -> Load | None:
+        """The queues as they are at the end (None: parts already closed)."""
         try:
-            families = pack(self.metrics.collect())
-        except Exception:  # metrics never take a worker down
-            logger.exception("%s: collecting metrics failed", self.name)
-            return
-        self.link.send(MetricsReport(self.name, families, final))
+            return self.load()
+        except Exception:
+            logger.debug("%s: no load at close", self.name, exc_info=True)
+            return None
 
     # -- subclass hooks ------------------------------------------------------------------
     @abstractmethod
@@ -331,14 +311,6 @@ class WorkerBase(ABC):
         """Final counters (``Stats``): names to numbers."""
         return {}
 
-    def _load_readings(self) -> list[tuple[str, dict[str, str], float]]:
-        load = self._last_load
-        if load is None:
-            return []
-        queue = "prefill" if self.role == "prefill" else "admission"
-        return [("pdkv_running_requests", {}, load.running),
-                ("pdkv_queue_requests", {"queue": queue}, load.queued)]
-
     def metric_readings(self) -> list[tuple[str, dict[str, str], float]]:
         """Counters and gauges this worker keeps elsewhere (transport, host tier), as
         ``(catalogue name, labels, value)``, read at every metrics report. Cheap reads
@@ -351,28 +323,12 @@ class WorkerBase(ABC):
             if self.built:
                 self.built = False
                 self.shutdown()
-                self.send_metrics(final=True)
+                self._report(self._final_load(), final=True)
                 self.link.send(Stats(self.name, self.stats()))
         finally:
             if self.link is not None:
                 self.link.close()
             self.ctx.destroy(linger=0)  # also closes what a failed build left open
-
-
-def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:
-    """The labels of ``pdkv_build_info`` for a worker built from ``config``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("pdkv")
-    except PackageNotFoundError:
-        ver = "unknown"
-    lay = cache.layout
-    return {"version": ver, "model": config.model, "dtype": str(lay.dtype),
-            "page_size": str(cache.page_size), "transport": config.transport,
-            "spec_k": str(config.spec_k),
-            "layout": f"{lay.num_layers}+{lay.num_draft_layers}L/{lay.num_kv_heads}h/"
-                      f"{lay.head_dim}d"}
 
 
 def setup_process(threads: int) -> None:

@@ -1,0 +1,91 @@
+"""What a worker counts for the metrics and reports to the router with its heartbeat."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from common.config import ServeConfig
+from common.kv import KvCache
+from common.metrics import NodeMetrics, pack
+from common.node.control import Load, Message, MetricsReport, Prefilled, Req, Tokens
+
+logger = logging.getLogger(__name__)
+
+Readings = Callable[[], list[tuple[str, dict[str, str], float]]]
+
+
+class WorkerMetrics:
+    """A worker's ``NodeMetrics`` and the counts the worker shell feeds it.
+
+    Args:
+        role: the worker's role (which tokens it counts).
+        readings: the worker's own cheap reads (transport, host tier), at every report.
+    """
+
+    def __init__(self, role: str, readings: Readings) -> None:
+        self.role = role
+        self.metrics = NodeMetrics(role)
+        # only the worker that generates (computes the prompt) counts tokens (prompt)
+        self._generated = None if role == "prefill" else self.metrics.counter(
+            "pdkv_generation_tokens_total")
+        self._prompt = None if role == "decode" else self.metrics.counter(
+            "pdkv_prompt_tokens_total")
+        self._last_load: Load | None = None
+        self.metrics.read(self._load_readings)
+        self.metrics.read(readings)
+
+    def watch(self, config: ServeConfig, cache: KvCache) -> None:
+        """The device pool's page states, and what this worker was built from."""
+        self.metrics.watch_pools("device", cache.pool_stats)
+        self.metrics.set_info(**build_info(config, cache))
+
+    def on_req(self, msg: Req) -> None:
+        if self._prompt is not None:
+            self._prompt.inc(len(msg.prompt) // 4)   # int32 ids
+
+    def on_send(self, msg: Message, cache: KvCache | None) -> None:
+        if isinstance(msg, Tokens) and self._generated is not None:
+            self._generated.inc(len(msg.ids))
+        elif isinstance(msg, Prefilled) and msg.reason == "sent" and cache is not None:
+            page_bytes = cache.layout.page_bytes(cache.page_size)
+            self.metrics.counter("pdkv_transfer_pages_total").labels(direction="sent").inc(
+                msg.kv_bytes // page_bytes)
+            self.metrics.histogram("pdkv_transfer_seconds").labels(direction="sent").observe(
+                msg.xfer_s)
+
+    def report(self, name: str, load: Load | None, final: bool = False
+               ) -> MetricsReport | None:
+        """The report to send (None when collecting failed: metrics never take a worker
+        down); ``load``: the queues now (None keeps the last heartbeat's)."""
+        if load is not None:
+            self._last_load = load
+        try:
+            return MetricsReport(name, pack(self.metrics.collect()), final)
+        except Exception:
+            logger.exception("%s: collecting metrics failed", name)
+            return None
+
+    def _load_readings(self) -> list[tuple[str, dict[str, str], float]]:
+        load = self._last_load
+        if load is None:
+            return []
+        queue = "prefill" if self.role == "prefill" else "admission"
+        return [("pdkv_running_requests", {}, load.running),
+                ("pdkv_queue_requests", {"queue": queue}, load.queued)]
+
+
+def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:
+    """The labels of ``pdkv_build_info`` for a worker built from ``config``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("pdkv")
+    except PackageNotFoundError:
+        ver = "unknown"
+    lay = cache.layout
+    return {"version": ver, "model": config.model, "dtype": str(lay.dtype),
+            "page_size": str(cache.page_size), "transport": config.transport,
+            "spec_k": str(config.spec_k),
+            "layout": f"{lay.num_layers}+{lay.num_draft_layers}L/{lay.num_kv_heads}h/"
+                      f"{lay.head_dim}d"}
