@@ -177,7 +177,10 @@ def test_pdkv_run_cli_writes_jsonl_and_a_json_summary(tmp_path):
 
 
 def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
-    """The multi-host commands: pdkv router, pdkv prefill --kv-advertise, pdkv decode."""
+    """The multi-host commands: pdkv router, pdkv prefill --kv-advertise, pdkv decode.
+
+    Loopback only: the prefill binds 127.0.0.1 and advertises it under another name
+    (localhost), so the decodes reach it by the advertised address, not the bound one."""
     import json
     import socket
 
@@ -194,7 +197,7 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
         "router": [*base, "router", "--bind", router, "--config-json",
                    json.dumps(CFG.to_dict())],
         "p": [*base, "prefill", "--router", router, "--name", "p", "--kv-bind",
-              f"tcp://0.0.0.0:{kv}", "--kv-advertise", f"tcp://127.0.0.1:{kv}",
+              f"tcp://127.0.0.1:{kv}", "--kv-advertise", f"tcp://localhost:{kv}",
               "--log-dir", str(tmp_path)],
         "d": [*base, "decode", "--router", router, "--name", "d", "--log-dir", str(tmp_path)],
     }
@@ -227,6 +230,7 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
         client.close()
         for p in procs.values():
             p.kill()
+    assert f"at tcp://localhost:{kv}" in (tmp_path / "d.log").read_text()  # advertised
     for name in ("p", "d"):
         assert replay_file(tmp_path / f"{name}.freelog").ok
 
