@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from deploy.http.text import load_text_model
 from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, make_workload
 from tests.http_helpers import CFG, GREEDY, KEY, assert_logs_clean, sse_events, start_frontend
+from tests.metrics_helpers import parse
 from tests.model_helpers import prompt
 
 pytestmark = pytest.mark.timeout(240)
@@ -315,3 +317,27 @@ def test_bench_serve_drives_an_endpoint_over_streaming_http(url):
         assert p["ok"] == p["requests"] == 6
         assert p["output_tokens"] == want
         assert p["ttft_p50_ms"] > 0 and p["itl_p50_ms"] > 0
+
+
+def test_metrics_are_scraped_through_the_front_door(http, url, model):
+    """GET /metrics (no API key, like /health) is the router's view of the deployment in
+    the Prometheus text format: every worker's families, labelled by worker; the tokens a
+    request generated show in the decode's counter."""
+    ids = prompt(11, seed=8)
+
+    def generated() -> float:
+        r = httpx.get(f"{url}/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        samples = parse(r.text)
+        workers = {labels["worker"] for labels, _ in samples["pdkv_kv_pages"]}
+        assert any(w.startswith("prefill") for w in workers), workers
+        assert any(w.startswith("decode") for w in workers), workers
+        return sum(v for labels, v in samples["pdkv_generation_tokens_total"])
+
+    before = generated()
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, **GREEDY})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30  # workers report on their heartbeat
+    while generated() < before + 5:
+        assert time.monotonic() < deadline, "generated tokens never reached /metrics"
+        time.sleep(0.2)

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from common.metrics import render_snapshot
 from deploy.http import errors
 from deploy.http.asgi import EventStream, until_disconnect
 from deploy.http.bridge import RouterBridge, RouterDown, RouterView
@@ -205,6 +206,17 @@ def _routes(app: FastAPI) -> None:
         return {"object": "list", "data": [{
             "id": lim.model, "object": "model", "created": d.t_created, "owned_by": "pdkv",
             "max_model_len": lim.max_row}]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        # Like /health, outside the API key: scrapers carry no OpenAI key. The router
+        # gathers every worker's report, so one scrape here covers the deployment.
+        try:
+            data = await door(request).bridge.metrics()
+        except RouterDown as exc:
+            raise ApiError(503, f"no metrics: {exc}") from None
+        body, content_type = render_snapshot(data, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health(request: Request):

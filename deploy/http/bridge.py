@@ -1,4 +1,4 @@
-"""The front door's one link to the router: submit, abort, stream events, status.
+"""The front door's one link to the router: submit, abort, stream events, status, metrics.
 
 This is the only module of ``deploy/http`` that speaks the router's control messages
 (``deploy.client.Client``); the rest sees ``Event`` values and ``RouterView``. It runs in
@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from common.node import Done, Error, Malformed, Status, StatusReport, Tokens
+from common.node import (
+    Done,
+    Error,
+    Malformed,
+    MetricsQuery,
+    MetricsSnapshot,
+    Status,
+    StatusReport,
+    Tokens,
+)
 from deploy.client import Client
 
 logger = logging.getLogger(__name__)
@@ -84,7 +93,9 @@ class RouterBridge:
         self.view: RouterView | None = None
         self._status_interval_s, self._router_timeout_s = status_interval_s, router_timeout_s
         self._t_start = time.monotonic()
-        self._waiters: list[asyncio.Future[RouterView]] = []
+        self._waiters: dict[type, list[asyncio.Future]] = {StatusReport: [],
+                                                           MetricsSnapshot: []}
+        """Futures waiting for the router's next answer of each type."""
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -136,17 +147,31 @@ class RouterBridge:
 
     async def status(self, timeout_s: float = 1.0) -> RouterView:
         """A fresh status from the router. Raises ``RouterDown`` past ``timeout_s``."""
-        fut: asyncio.Future[RouterView] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        self._send(lambda: self._client.send(Status()))
+        await self._ask(Status(), StatusReport, "a status request", timeout_s)
+        return self.view
+
+    async def metrics(self, timeout_s: float = 2.0) -> bytes:
+        """The deployment's metrics as the router gathers them (``MetricsSnapshot``).
+        Raises ``RouterDown`` past ``timeout_s``."""
+        snap = await self._ask(MetricsQuery(), MetricsSnapshot, "a metrics request",
+                               timeout_s)
+        return snap.families
+
+    async def _ask(self, question, answer: type, what: str, timeout_s: float):
+        """Send ``question``; the router's next ``answer`` (the router answers in order, so
+        every waiter may take the first that comes)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        waiters = self._waiters[answer]
+        waiters.append(fut)
+        self._send(lambda: self._client.send(question))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            raise RouterDown(f"router at {self.address} did not answer a status request "
+            raise RouterDown(f"router at {self.address} did not answer {what} "
                              f"within {timeout_s}s") from None
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if fut in waiters:
+                waiters.remove(fut)
 
     # -- internals -----------------------------------------------------------------------
     def _send(self, send) -> None:
@@ -178,11 +203,12 @@ class RouterBridge:
                                         f"{self._router_timeout_s}s")
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, StatusReport):
-            self.view = RouterView(msg.config, msg.workers, time.monotonic())
-            for fut in self._waiters:
+        if isinstance(msg, (StatusReport, MetricsSnapshot)):
+            if isinstance(msg, StatusReport):
+                self.view = RouterView(msg.config, msg.workers, time.monotonic())
+            for fut in self._waiters[type(msg)]:
                 if not fut.done():
-                    fut.set_result(self.view)
+                    fut.set_result(msg)
             return
         if isinstance(msg, Malformed):
             logger.warning("http: undecodable message from the router (%s): %s", msg.code,
