@@ -224,6 +224,9 @@ class Request:
     """Generated tokens, the first (computed by prefill) included."""
     num_computed: int = 0
     """Prompt positions [0, num_computed) hold KV."""
+    num_cached: int = 0
+    """Prompt tokens loaded from this worker's host tier (prefix reuse), neither computed
+    nor received; reported to the client as usage's ``cached_tokens``."""
     t_arrival: float = field(default_factory=time.monotonic)
 
     # -- where the prompt comes from (decode) and goes to (prefill) ---------------------

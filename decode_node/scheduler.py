@@ -218,7 +218,8 @@ class DecodeScheduler:
         self.admission.forget(req)
         self._move(req, ReqState.FINISHED if ok else ReqState.ABORTED
                    if reason == "aborted" else ReqState.FAILED)
-        self.send(Done(req.rid, reason, n=len(req.output) if ok else 0, error=detail))
+        self.send(Done(req.rid, reason, n=len(req.output) if ok else 0, error=detail,
+                       cached_tokens=req.num_cached))
 
     # -- reporting and shutdown ----------------------------------------------------------
     def reap(self) -> None:

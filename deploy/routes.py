@@ -55,7 +55,10 @@ class Route:
             out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
         if info is None:
             return out
-        out = dataclasses.replace(out, xfer_s=info.xfer_s, kv_bytes=info.kv_bytes)
+        # cached: prompt tokens a host tier held, on whichever side held more (the
+        # prefill's were not computed, the decode's not transferred)
+        out = dataclasses.replace(out, xfer_s=info.xfer_s, kv_bytes=info.kv_bytes,
+                                  cached_tokens=max(done.cached_tokens, info.cached_tokens))
         if info.error and not done.ok:
             # the prefill's words name the cause; the decode's only say the transfer ended
             out = dataclasses.replace(out, error=info.error + (

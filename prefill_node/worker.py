@@ -220,7 +220,8 @@ class PrefillWorker(WorkerBase):
             # (same host or synchronised clocks); xfer_s (-> acknowledgement) is the fallback
             self.send(Prefilled(req.rid, reason, error=detail, xfer_s=now - req.t_prefilled,
                                 kv_bytes=self._kv_bytes(req.num_sent_pages),
-                                t_finish_wall=time.time() - (now - req.t_prefilled)))
+                                t_finish_wall=time.time() - (now - req.t_prefilled),
+                                cached_tokens=req.num_cached))
             return
         aborted = reason == "aborted"
         self._move(req, ReqState.ABORTED if aborted else ReqState.FAILED)

@@ -91,6 +91,29 @@ def test_completion_with_token_ids_equals_the_reference(http, model):
     assert body["prompt_token_ids"] == ids
 
 
+def test_a_follow_up_turn_reports_its_cached_prefix(oai, model):
+    """The second turn repeats the first's prompt and output: the workers load those pages
+    from their host tiers, usage says how many prompt tokens were cached (whole pages of
+    the shared prefix), and the output still equals the reference."""
+    first = prompt(30, seed=12)
+    r1 = oai.completions.create(model="tiny", prompt=first, max_tokens=6, temperature=0,
+                                extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    follow = first + r1.choices[0].token_ids + prompt(9, seed=13)
+    page = CFG.page_size
+    deadline = time.monotonic() + 20  # the host copies of the first turn complete async
+    while True:
+        r2 = oai.completions.create(model="tiny", prompt=follow, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r2.choices[0].token_ids == greedy(model, follow, 5)
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        if cached or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert page * (len(first) // page) <= cached < len(follow), cached
+    assert cached % page == 0
+
+
 def test_stream_is_openai_sse_with_usage_last(http, model):
     ids = prompt(20, seed=6)
     body = {"prompt": ids, "max_tokens": 7, **GREEDY, "stream": True,

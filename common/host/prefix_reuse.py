@@ -131,7 +131,7 @@ class PrefixReuse:
             self.cache.close_row(req.kv)
             req.kv, req.reuse = None, False
             return None
-        req.num_computed = start
+        req.num_computed = req.num_cached = start
         return start
 
     def offload_sent(self, kv: KvRecord, prompt: list[int]) -> bool:

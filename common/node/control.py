@@ -112,6 +112,8 @@ class Prefilled:
     """Bytes of the pages the transfer carried."""
     t_finish_wall: float = 0.0
     """Wall clock when the last chunk was computed (0 unless sent)."""
+    cached_tokens: int = 0
+    """Prompt tokens the prefill loaded from its host tier instead of computing them."""
 
 
 # -- worker -> router -> client -----------------------------------------------------------
@@ -150,6 +152,9 @@ class Done:
     joined), cut before a stop string."""
     prompt_tokens: int = 0
     """Router -> client: tokens of the prompt (a text prompt as encoded)."""
+    cached_tokens: int = 0
+    """Prompt tokens loaded from a host tier instead of computed or received (router ->
+    client: the larger of the prefill's and the decode's count)."""
 
     @property
     def ok(self) -> bool:

@@ -222,7 +222,7 @@ class RouterBridge:
                 queue.put_nowait(Event(ids=list(msg.ids)))
         elif isinstance(msg, Done):
             self._end(rid, Event(done=True, reason=msg.reason, error=msg.error,
-                                 cached_tokens=getattr(msg, "cached_tokens", 0)))
+                                 cached_tokens=msg.cached_tokens))
         elif isinstance(msg, Error) and rid not in self._abandoned:
             # a refused submit (an abort that raced the end is answered with an Error
             # too: its Done comes, or came, on its own)
