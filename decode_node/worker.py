@@ -54,13 +54,12 @@ class DecodeWorker(WorkerBase):
             name, cfg, cache, self.runner, self.send, self._stop_receiving,
             device=self.device, log_dir=self.log_dir, who=f"decode {name}",
             instead="receiving", whole_life=not cfg.overcommit)
-        # The handshake with a new prefill blocks this loop until it answers: bound it
-        # well inside the router's lease, so a dead prefill costs its requests, never
-        # this worker's registration.
+        # A handshake with a new prefill never holds up this loop (begin_connect): its
+        # requests wait, rows held, until it answers. One silent for a lease is dead.
         self.receiver = KvReceiver(cache, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            handshake_timeout_s=max(0.5, cfg.lease_s / 4), shared_memory=cfg.shared_memory),
+            handshake_timeout_s=cfg.lease_s, shared_memory=cfg.shared_memory),
             ctx=self.ctx)
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
@@ -119,7 +118,7 @@ class DecodeWorker(WorkerBase):
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
         if group is None or self.receiver.group_lost(group):
-            group = self.groups[prefill] = self.receiver.connect(addr)
+            group = self.groups[prefill] = self.receiver.begin_connect(addr)
         return group
 
     def _on_event(self, ev) -> None:

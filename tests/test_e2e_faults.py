@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,49 @@ def test_both_workers_of_a_request_dying_fails_it_alone_and_restarts_serve(start
     cluster.wait_ready()
     assert _serve(cluster) == reference
     _stop_and_replay(cluster)
+
+
+def _poll_until(client, rid: str, seen: dict, timeout_s: float = 60.0):
+    """Poll until ``rid`` is done; every message by rid lands in ``seen``."""
+    deadline = time.monotonic() + timeout_s
+    while not any(getattr(m, "reason", "") for m in seen.get(rid, [])):
+        assert time.monotonic() < deadline, seen
+        for m in client.poll(0.2):
+            seen.setdefault(getattr(m, "rid", ""), []).append(m)
+    return next(m for m in seen[rid] if getattr(m, "reason", ""))
+
+
+def test_an_unresponsive_prefill_holds_up_only_its_own_requests(tmp_path):
+    """The decode's handshake with a stopped prefill never stalls the decode (it once
+    blocked its loop for the whole handshake): the other prefill's request is served
+    meanwhile, and once the stopped one continues, its request is served too."""
+    cfg = CFG.with_overrides(lease_s=30.0)   # the stop stays well inside every lease
+    cluster = Cluster(cfg, "disagg", 2, 1, log_dir=str(tmp_path)).start()
+    model = Model(cfg.model_config())
+    prompts = {"first": [(3 * i) % 400 for i in range(40)],
+               "second": [(5 * i + 1) % 400 for i in range(44)]}
+    ref = {rid: generate_greedy(model, [p], 8, page_size=4)[0] for rid, p in prompts.items()}
+    stopped = next(p for p in cluster.procs if p.name == "prefill1").popen
+    seen: dict[str, list] = {}
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)   # before the decode ever connected to it
+        try:
+            for rid, prompt in prompts.items():   # ties go to prefill0, then prefill1
+                cluster.client.submit(rid, prompt, {"max_new_tokens": 8})
+            first = _poll_until(cluster.client, "first", seen)
+            assert first.ok and "second" not in seen, seen   # nothing for it yet
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        second = _poll_until(cluster.client, "second", seen)
+        assert second.ok, second
+        tokens = {rid: [t for m in ms if hasattr(m, "ids") for t in m.ids]
+                  for rid, ms in seen.items()}
+        assert tokens == ref
+        log = (tmp_path / "decode0.log").read_text()
+        assert re.search(r"second#\S+ admitted \(44 prompt tokens, prefill prefill1\)", log)
+        assert not any(w["lost"] for w in cluster.client.status(5).workers.values())
+    finally:
+        _stop_and_replay(cluster)
 
 
 def test_broken_frames_and_huge_messages_never_stall_the_router(start, reference):

@@ -5,6 +5,7 @@ A worker's loop::
 
     rx = KvReceiver(cache, TransportConfig(node="d0"))
     group = rx.connect(["tcp://prefill-0:5600", "tcp://prefill-1:5600"])  # one TP group
+    # (in a serving loop: rx.begin_connect(...), which never waits; announce at once)
     kv = cache.open_row(rid); cache.extend(kv, prompt_len)                  # backpressure
     rx.announce(rid, kv, prompt_len, cached_tokens=0, group=group)
     for ev in rx.poll(0.01):   # COMPLETED carries first_token; ABORTED/FAILED carry reason
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -65,6 +67,15 @@ logger = logging.getLogger(__name__)
 MAX_POLL_BYTES = 256 << 20  # one poll lands at most about this much, then returns
 
 
+class _Parked(NamedTuple):
+    """An announcement waiting for its group's handshake."""
+
+    group: int
+    kv: object
+    prompt_len: int
+    cached_tokens: int
+
+
 class KvReceiver:
     """Decode endpoint. Poll-driven, single-threaded, not thread-safe: call ``poll`` at
     least once per heartbeat interval (every wait is checked there).
@@ -81,6 +92,7 @@ class KvReceiver:
         self.events = EventLog(self.stats)
         self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
         self.transfers: dict[str, Incoming] = {}
+        self._parked: dict[str, _Parked] = {}   # announced to a group still connecting
         self.pool = PoolView(cache.data())
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
@@ -111,6 +123,17 @@ class KvReceiver:
         """
         return self.link.connect(addresses)
 
+    def begin_connect(self, addresses: list[str] | str) -> int:
+        """Start connecting to one prefill TP group; never waits (a worker's loop uses
+        this). Announce to the group at once: announcements wait here, holding no pin,
+        until every rank answered; if the handshake fails or passes
+        ``handshake_timeout_s``, each ends FAILED (reason ``error``, detail says why).
+
+        Returns:
+            the group id to pass to ``announce``.
+        """
+        return self.link.begin(addresses)
+
     def group_lost(self, group: int) -> bool:
         """True when a rank of ``group`` is lost: ``connect`` it again before announcing."""
         return self.link.group_lost(group)
@@ -123,13 +146,19 @@ class KvReceiver:
             kv: the preallocated row (``allocated_len >= prompt_len``); the worker keeps
                 owning it and frees it; the transport pins its destination pages.
             cached_tokens: page-aligned prefix already held (prefix cache).
+            group: a group from ``connect`` or ``begin_connect`` (still connecting: the
+                announcement waits for it, see ``begin_connect``).
         Raises:
             ValueError: rid in flight, misaligned prefix, or a needed rank is lost.
         """
         ps = self.cache.page_size
-        if rid in self.transfers or cached_tokens % ps or not 0 <= cached_tokens <= prompt_len:
+        if rid in self.transfers or rid in self._parked or cached_tokens % ps \
+                or not 0 <= cached_tokens <= prompt_len:
             raise ValueError(f"announce {rid!r}: in flight or cached_tokens={cached_tokens} "
                              f"not page-aligned within prompt_len={prompt_len}")
+        if self.link.is_connecting(group):  # sent once the group joined (poll)
+            self._parked[rid] = _Parked(group, kv, prompt_len, cached_tokens)
+            return
         legs = {key: InLeg(key, heads) for key, heads in self.link.legs_for(group).items()}
         dest = np.asarray(self.cache.pages(kv, 0, prompt_len), np.int64)
         msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
@@ -147,6 +176,8 @@ class KvReceiver:
         acknowledges or is lost. Returns False when rid is unknown or already final."""
         if reason not in ABORT_REASONS:
             raise ValueError(f"abort({rid!r}): reason={reason!r}; allowed: {ABORT_REASONS}")
+        if self._parked.pop(rid, None) is not None:  # never announced: nothing to stop
+            return True
         inc = self.transfers.get(rid)
         if inc is None or inc.state == InState.CLOSED:
             return False
@@ -167,6 +198,8 @@ class KvReceiver:
             budget -= DRAIN_BYTES
             polled = self.link.poll(0)
             self._take(polled)
+        self.link.advance()   # handshakes under way; what waited for them goes out
+        self._announce_parked()
         now = time.monotonic()
         for inc in list(self.transfers.values()):
             self._check_deadlines(inc, now)
@@ -195,7 +228,7 @@ class KvReceiver:
 
     def sockets(self) -> list[zmq.Socket]:
         """The sockets a worker's loop may wait on (readable: call ``poll``)."""
-        return [s.sock for s in self.link.sockets.values()]
+        return [s.sock for s in self.link.sockets.values()] + self.link.pending_sockets()
 
     @property
     def num_pins(self) -> int:
@@ -210,11 +243,26 @@ class KvReceiver:
             if inc.pin_id is not None:
                 self.cache.unpin(inc.pin_id)
         self.transfers.clear()
+        self._parked.clear()
         self.link.close()
         if self._own_ctx:
             self._ctx.term()
 
     # -- what the link found -------------------------------------------------------------
+    def _announce_parked(self) -> None:
+        """Announce what waited for a group that has now joined; fail what waited for one
+        that did not."""
+        for rid, p in list(self._parked.items()):
+            if self.link.is_connecting(p.group):
+                continue
+            del self._parked[rid]
+            try:
+                self.announce(rid, p.kv, p.prompt_len, p.cached_tokens, p.group)
+            except ValueError as exc:  # the group did not connect, or lost a rank since
+                logger.warning("%s: %s failed (error): %s", self.config.node, rid, exc)
+                self.events.emit(EventKind.FAILED, rid, reason="error", detail=str(exc),
+                                 prompt_len=p.prompt_len)
+
     def _on_message(self, item: Inbound) -> None:
         peer, msg = item.peer, item.msg
         if isinstance(msg, (KvChunk, KvWritten, Accepted, Done, Abort)):

@@ -1,5 +1,6 @@
 """``ReceiverLink``: the decode endpoint's sockets and peers - one DEALER per prefill
-rank, the handshake it starts, prefill TP groups, heartbeats and leases.
+rank, the handshake it starts (``Connecting``: never waited for in a worker's loop),
+prefill TP groups, heartbeats and leases.
 
 A member of ``KvReceiver``. Pins nothing and frees nothing; ``poll`` hands back each
 message with its data frame still in ZMQ's buffer, so that the receiver checks it
@@ -16,8 +17,9 @@ import zmq
 
 from . import handshake, tp
 from .config import TransportConfig
+from .connecting import Connecting
 from .link import Inbound, LinkPoll, count_error, parse
-from .messages import Bye, Error, Heartbeat, Hello, Message, ProtocolError, decode, encode
+from .messages import Bye, Heartbeat, Hello, Message, ProtocolError, encode
 from .peers import PeerTable
 from .sockets import DealerSocket
 
@@ -45,12 +47,31 @@ class ReceiverLink:
         self.sockets: dict[bytes, DealerSocket] = {}
         self.paths: dict[bytes, str] = {}   # peer -> data path: shm, tcp or ipc
         self.groups: list[list[bytes]] = []
+        """Each group's rank keys, by group id (empty until the group joined)."""
+        self.connecting: dict[int, Connecting] = {}
+        self.failed: dict[int, Exception] = {}   # group -> why it did not connect
         self._poller = zmq.Poller()
         self._turn = 0
 
     # -- connection ----------------------------------------------------------------------
+    def begin(self, addresses: list[str] | str) -> int:
+        """Start connecting to every rank of one prefill TP group; never waits.
+
+        Returns:
+            the group id to pass to ``legs_for`` once ``is_connecting(group)`` is False
+            (``advance``, at every poll, takes the ranks' answers).
+        """
+        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        cfg = self.config
+        socks = [self._open(address) for address in addresses]
+        self.groups.append([])
+        self.connecting[len(self.groups) - 1] = Connecting(
+            addresses, socks, time.monotonic() + cfg.handshake_timeout_s,
+            cfg.handshake_timeout_s)
+        return len(self.groups) - 1
+
     def connect(self, addresses: list[str] | str) -> int:
-        """Connect to every rank of one prefill TP group and handshake with each.
+        """``begin``, then wait until the group joined or failed.
 
         Returns:
             the group id to pass to ``legs_for``.
@@ -58,56 +79,64 @@ class ReceiverLink:
             HandshakeError: a rank's version, model, layout or TP setup differs.
             TimeoutError: a rank did not answer within ``handshake_timeout_s``.
         """
-        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        keys = [self._handshake(addr) for addr in addresses]
-        ranks = sorted(self.peers[k].hello.tp_rank for k in keys)
-        size = self.peers[keys[0]].hello.tp_size
-        if ranks != list(range(size)):
-            raise handshake.HandshakeError(f"prefill group {addresses} has ranks {ranks}, "
-                                           f"expected 0..{size - 1}")
-        self.groups.append(keys)
-        return len(self.groups) - 1
+        group = self.begin(addresses)
+        while (conn := self.connecting.get(group)) is not None:
+            conn.wait(conn.deadline - time.monotonic())
+            self.advance()
+        if group in self.failed:
+            raise self.failed[group]
+        return group
 
-    def _handshake(self, address: str) -> bytes:
+    def _open(self, address: str) -> DealerSocket:
         cfg = self.config
         sock = DealerSocket(self._ctx, address, f"{cfg.node}/tp{cfg.tp_rank}")
         sock.send([encode(self.hello)])
-        deadline = time.monotonic() + cfg.handshake_timeout_s
-        try:
-            theirs = self._await_hello(sock, address, deadline)
-            handshake.check(self.hello, theirs)
-            if theirs.shm_pool not in ("", self.hello.shm_pool):
-                raise handshake.HandshakeError(f"{address}: prefill maps pool "
-                                               f"{theirs.shm_pool!r}, we offered "
-                                               f"{self.hello.shm_pool!r}")
-        except BaseException:
-            sock.close()
-            raise
-        now = time.monotonic()
-        self.sockets[sock.identity] = sock
-        self.paths[sock.identity] = "shm" if theirs.shm_pool else address.split(":", 1)[0]
-        peer = self.peers.add(sock.identity, theirs, now, now + cfg.heartbeat_s)
-        self._poller.register(sock.sock, zmq.POLLIN)
-        logger.info("%s: connected to %s at %s (data path %s)", cfg.node, peer.name,
-                    address, "shm" if theirs.shm_pool else "zmq")
-        return sock.identity
+        self._poller.register(sock.sock, zmq.POLLIN)  # its answer ends the worker's wait
+        return sock
 
-    def _await_hello(self, sock: DealerSocket, address: str, deadline: float) -> Hello:
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                continue
-            frames = sock.recv_nowait()
+    def advance(self) -> None:
+        """Take what the ranks of connecting groups answered (never waits): a group whose
+        every rank answered joins; one that was refused or is past its deadline fails
+        (``failed`` holds why) and its sockets close."""
+        now = time.monotonic()
+        for group, conn in list(self.connecting.items()):
             try:
-                msg = decode(frames[0].buffer)
-            except ProtocolError as exc:
-                raise handshake.HandshakeError(f"{address}: bad handshake answer: {exc}") \
-                    from None
-            if isinstance(msg, Hello):
-                return msg
-            if isinstance(msg, Error):
-                raise handshake.HandshakeError(f"{address}: {msg.code}: {msg.detail}")
-        self.stats["timeouts.handshake"] += 1
-        raise TimeoutError(f"{address}: no Hello within {self.config.handshake_timeout_s}s")
+                if not conn.step(self.hello, now):
+                    continue
+                self._join(group, conn)
+            except (handshake.HandshakeError, TimeoutError) as exc:
+                self.stats["timeouts.handshake" if isinstance(exc, TimeoutError)
+                           else "errors.handshake"] += 1
+                logger.warning("%s: cannot connect to prefill group %s: %s", self.config.node,
+                               conn.addresses, exc)
+                self.failed[group] = exc
+                for sock in conn.socks:
+                    self._poller.unregister(sock.sock)
+                conn.close()
+            del self.connecting[group]
+
+    def _join(self, group: int, conn: Connecting) -> None:
+        hellos = [conn.hellos[i] for i in range(len(conn.socks))]
+        ranks, size = sorted(h.tp_rank for h in hellos), hellos[0].tp_size
+        if ranks != list(range(size)):
+            raise handshake.HandshakeError(f"prefill group {conn.addresses} has ranks "
+                                           f"{ranks}, expected 0..{size - 1}")
+        now = time.monotonic()
+        for address, sock, theirs in zip(conn.addresses, conn.socks, hellos):
+            self.sockets[sock.identity] = sock
+            self.paths[sock.identity] = "shm" if theirs.shm_pool else address.split(":", 1)[0]
+            peer = self.peers.add(sock.identity, theirs, now, now + self.config.heartbeat_s)
+            logger.info("%s: connected to %s at %s (data path %s)", self.config.node,
+                        peer.name, address, "shm" if theirs.shm_pool else "zmq")
+        self.groups[group] = [sock.identity for sock in conn.socks]
+
+    def is_connecting(self, group: int) -> bool:
+        """True while ``group``'s handshake is under way."""
+        return group in self.connecting
+
+    def pending_sockets(self) -> list[zmq.Socket]:
+        """Sockets of handshakes under way (a worker's loop waits on them too)."""
+        return [s.sock for conn in self.connecting.values() for s in conn.socks]
 
     def legs_for(self, group: int) -> dict[bytes, tuple[int, int]]:
         """Global heads each rank of ``group`` sends this rank (ranks that overlap it).
@@ -115,6 +144,10 @@ class ReceiverLink:
         Raises:
             ValueError: a needed rank is lost (connect the group again).
         """
+        if group in self.failed:
+            raise ValueError(f"prefill group {group} did not connect: {self.failed[group]}")
+        if group in self.connecting:
+            raise ValueError(f"prefill group {group} is still connecting")
         h = self.hello
         legs = {}
         for key in self.groups[group]:
@@ -129,8 +162,9 @@ class ReceiverLink:
         return legs
 
     def group_lost(self, group: int) -> bool:
-        """True when any rank of ``group`` is lost (the group must be connected again)."""
-        return any(self.peers[k].lost for k in self.groups[group])
+        """True when any rank of ``group`` is lost or the group never connected (it must
+        be connected again)."""
+        return group in self.failed or any(self.peers[k].lost for k in self.groups[group])
 
     # -- polling -------------------------------------------------------------------------
     def poll(self, timeout_s: float) -> LinkPoll:
@@ -195,3 +229,6 @@ class ReceiverLink:
         for sock in self.sockets.values():
             sock.close()
         self.sockets.clear()
+        for conn in self.connecting.values():
+            conn.close()
+        self.connecting.clear()

@@ -1,0 +1,117 @@
+"""A decode connecting to prefills without waiting for them (``KvReceiver.begin_connect``):
+a silent, refusing or slow prefill holds up only the requests announced to it.
+
+Sender and receiver in this process over ipc, both polled from the test's one thread:
+with a blocking handshake that thread could not serve the sender while it connects, so
+these stories are only possible when nothing waits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
+from transport import EventKind, KvReceiver, KvSender
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def ends(tmp_path):
+    """(sender, receiver, a ROUTER that never answers, its address); all closed after."""
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{tmp_path}/silent.sock")
+    made: list = []
+
+    def make(**kw):
+        tx = KvSender(make_cache(64, 4, layout(), node="p"), f"ipc://{tmp_path}/p.sock",
+                      config("p"))
+        rx = KvReceiver(make_cache(64, 4, layout(), node="d"), config("d", **kw))
+        made.extend([tx, rx])
+        return tx, rx, silent, f"ipc://{tmp_path}/silent.sock"
+
+    yield make
+    for end in made:
+        end.close()
+    silent.close(linger=0)
+    ctx.term()
+
+
+def _row(cache, rid, n, seed=None):
+    kv = cache.open_row(rid)
+    cache.extend(kv, n)
+    if seed is not None:
+        write_row(cache, kv, pattern(seed, n, cache.layout, 0, 4))
+    return kv
+
+
+def _until(rx, tx, want, rows=None, timeout_s=10.0):
+    """Poll both ends until the receiver's events include ``want`` (rid, kind); the
+    sender sends each request of ``rows`` (rid -> its row) once announced."""
+    events, deadline = [], time.monotonic() + timeout_s
+    while want not in {(e.rid, e.kind) for e in events}:
+        assert time.monotonic() < deadline, events
+        events += rx.poll(0.005)
+        for ev in tx.poll(0.0):
+            if ev.kind == EventKind.READY:
+                tx.finish(ev.rid, rows[ev.rid], 7)
+    return events
+
+
+def test_a_silent_prefill_holds_up_only_the_requests_announced_to_it(ends):
+    tx, rx, _, silent = ends(handshake_timeout_s=600.0)
+    dead = rx.begin_connect(silent)                      # returns at once
+    waiting = _row(rx.cache, "w", 16)
+    rx.announce("w", waiting, 16, group=dead)
+    assert rx.num_pins == 0 and "w" not in rx.transfers  # waits, pinning nothing
+    live = rx.begin_connect(tx.address)
+    kv_d = _row(rx.cache, "r", 30)
+    rx.announce("r", kv_d, 30, group=live)
+    kv_p = _row(tx.cache, "r", 30, seed=1)
+    events = _until(rx, tx, ("r", EventKind.COMPLETED), {"r": kv_p})
+    assert [(e.rid, e.first_token) for e in events if e.kind.is_final] == [("r", 7)]
+    assert read_row(rx.cache, kv_d, 0, 30).equal(pattern(1, 30, tx.cache.layout, 0, 4))
+    assert rx.link.is_connecting(dead) and not rx.group_lost(dead)
+    assert rx.abort("w") and not rx.abort("w")           # it never reached a prefill
+
+
+def test_a_handshake_past_its_deadline_fails_the_requests_that_waited(ends):
+    tx, rx, _, silent = ends(handshake_timeout_s=0.3)
+    group = rx.begin_connect(silent)
+    for rid in ("a", "b"):
+        rx.announce(rid, _row(rx.cache, rid, 8), 8, group=group)
+    events = _until(rx, tx, ("b", EventKind.FAILED))
+    failed = {e.rid: e for e in events if e.kind == EventKind.FAILED}
+    assert set(failed) == {"a", "b"} and {e.reason for e in failed.values()} == {"error"}
+    assert "no Hello within 0.3s" in failed["a"].detail and silent in failed["a"].detail
+    assert rx.group_lost(group) and rx.stats["timeouts.handshake"] == 1
+    assert rx.num_pins == 0 and rx.sockets() == []       # its socket closed
+    again = rx.begin_connect(tx.address)                 # the worker connects anew
+    rx.announce("c", _row(rx.cache, "c", 8), 8, group=again)
+    _until(rx, tx, ("c", EventKind.COMPLETED), {"c": _row(tx.cache, "c", 8, seed=2)})
+
+
+def test_a_prefill_that_differs_fails_the_waiting_requests_naming_the_field(ends, tmp_path):
+    tx, rx, _, _ = ends()
+    other = KvSender(make_cache(64, 4, layout(dtype="float16"), node="p2"),
+                     f"ipc://{tmp_path}/p2.sock", config("p2"))
+    try:
+        group = rx.begin_connect(other.address)
+        rx.announce("x", _row(rx.cache, "x", 8), 8, group=group)
+        events = _until(rx, other, ("x", EventKind.FAILED))
+        detail = next(e.detail for e in events if e.rid == "x")
+        assert "mismatch on dtype" in detail
+        assert rx.group_lost(group) and rx.stats["errors.handshake"] == 1
+    finally:
+        other.close()
+
+
+def test_the_blocking_connect_still_waits_and_raises(ends):
+    tx, rx, _, silent = ends(handshake_timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="no Hello"):
+        rx.connect(silent)
+    assert rx.stats["timeouts.handshake"] == 1 and not rx.link.connecting
