@@ -47,8 +47,9 @@ def start(tmp_path):
     """Start a cluster; whatever the story's outcome, it is stopped at the end."""
     made: list[Cluster] = []
 
-    def make(mode: str = "disagg", num_prefill: int = 1, num_decode: int = 1) -> Cluster:
-        made.append(Cluster(CFG, mode, num_prefill, num_decode, log_dir=str(tmp_path)))
+    def make(mode: str = "disagg", num_prefill: int = 1, num_decode: int = 1,
+             cfg: ServeConfig = CFG) -> Cluster:
+        made.append(Cluster(cfg, mode, num_prefill, num_decode, log_dir=str(tmp_path)))
         return made[-1].start()
 
     yield make
@@ -229,8 +230,12 @@ def test_broken_frames_and_huge_messages_never_stall_the_router(start, reference
     _stop_and_replay(cluster)
 
 
-def test_a_seeded_workload_runs_again_against_a_live_deployment(start, reference):
-    cluster = start("colocated", 0, 1)
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_a_seeded_workload_runs_again_against_a_live_deployment(start, reference, mode):
+    # slow host-tier copies: the first run's rows still wait for them when the same
+    # client rids come again (that reuse once reached open_row and stopped the decode)
+    cfg = CFG.with_overrides(debug_copy_delay_s=0.05)   # (offload is on)
+    cluster = start(mode, 0 if mode == "colocated" else 1, 1, cfg=cfg)
     assert _serve(cluster) == reference
     assert _serve(cluster) == reference                      # the same client rids again
     sampled = [_serve(cluster, temperature=0.8, seed=3) for _ in range(2)]
