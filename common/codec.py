@@ -165,6 +165,8 @@ def _checker(hint: Any) -> Check:
 
 
 def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) is not None:  # dict[str, X] names itself "dict"
+        return str(hint).replace("typing.", "")
     return getattr(hint, "__name__", None) or str(hint)
 
 

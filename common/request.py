@@ -94,8 +94,10 @@ class SamplingParams:
     """Generation ends after this token is emitted (included); -1 for none."""
     temperature: float = 0.0
     """0 is greedy; > 0 samples from softmax(logits / temperature)."""
-    seed: int = 0
-    """Seed of sampling when temperature > 0 (a pure function of seed, rid and step)."""
+    seed: int | None = None
+    """Seed of sampling when temperature > 0: given, the draws are a pure function of
+    (seed, step), so equal requests with one seed sample alike; None, of (label, step),
+    so each request of a workload draws its own, again on a rerun."""
     top_k: int = -1
     """When sampling: only the ``top_k`` most likely tokens (ties included); -1 or 0: all."""
     top_p: float = 1.0
@@ -131,12 +133,13 @@ class SamplingParams:
         return token == self.stop_token or token in self.stop_token_ids
 
     def to_dict(self) -> dict:
-        """Plain fields; ``stop_token_ids`` only when set (a list)."""
+        """Plain fields; ``stop_token_ids`` (a list) and ``seed`` only when set."""
         d = {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
-             "temperature": self.temperature, "seed": self.seed, "top_k": self.top_k,
-             "top_p": self.top_p}
+             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         if self.stop_token_ids:
             d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            d["seed"] = self.seed
         return d
 
 
@@ -186,8 +189,8 @@ def validate(prompt: Sequence[int] | np.ndarray, params: SamplingParams, *, voca
                          f"[0, {vocab_size})")
     if any(not _is_int(t) or not 0 <= t < vocab_size for t in params.stop_token_ids):
         raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})")
-    if not _is_int(params.seed) or not 0 <= params.seed < 1 << 63:
-        raise BadRequest(f"seed={params.seed!r}; allowed: integers in [0, 2**63)")
+    if params.seed is not None and not (_is_int(params.seed) and 0 <= params.seed < 1 << 63):
+        raise BadRequest(f"seed={params.seed!r}; allowed: none, or integers in [0, 2**63)")
     if not _is_int(params.top_k) or params.top_k < -1:
         raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1")
     p = params.top_p

@@ -143,8 +143,20 @@ class Router:
 
     def _on_error(self, peer: bytes, msg: Error) -> None:
         # logged, never answered: an error about an error would bounce forever
-        logger.warning("router: %s reports an error (%s) for %r: %s",
-                       self.by_peer.get(peer, peer), msg.code, msg.rid, msg.error)
+        name = self.by_peer.get(peer)
+        logger.warning("router: %s reports an error (%s) for %r: %s", name or peer,
+                       msg.code, msg.rid, msg.error)
+        route = self.routes.get(msg.rid)
+        if route is None or name is None:
+            return
+        # A worker that could not take a request it still owes (its Req undecodable, say)
+        # will never report on it: end it now rather than leave the client waiting.
+        owes = ((name == route.decode and route.decode_done is None)
+                or (name == route.prefill and route.prefill_info is None))
+        if owes:
+            self._fail(route, "aborted" if route.aborted_by_client else "error",
+                       f"worker {name} could not serve the request ({msg.code}): "
+                       f"{msg.error}")
 
     # -- workers -------------------------------------------------------------------------
     def _on_register(self, peer: bytes, msg: Register) -> None:

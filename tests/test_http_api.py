@@ -175,6 +175,21 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token(http, model):
         assert r["choices"][0]["token_ids"] == want, extra
 
 
+def test_a_seed_repeats_its_samples_across_requests(http):
+    ids = prompt(14, seed=15)
+
+    def sampled(**extra) -> list[int]:
+        r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 12,
+                                               "temperature": 1.0, "ignore_eos": True,
+                                               "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert sampled(seed=21) == sampled(seed=21)
+    assert sampled(seed=21) != sampled(seed=22)
+    assert sampled() != sampled()  # unseeded: each request draws its own
+
+
 def test_request_ids_are_the_front_doors_own(http):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "user": "same-client"}
     a, b = (http.post("/v1/completions", json=body).json() for _ in range(2))

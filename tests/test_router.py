@@ -125,6 +125,24 @@ def test_a_decode_failure_aborts_the_prefill_and_names_the_cause(router):
     assert done.error == "prefill p0 failed: boom (decode: transfer timed out)"
 
 
+def test_a_worker_that_cannot_take_a_request_ends_it_with_its_words(router):
+    """A worker answers a Req it cannot decode with an Error: it will never report on
+    that request, so the client hears it at once and the other worker is told to abort."""
+    _deployment(router)
+    rid = _submit(router, "a", [3] * 8)
+    router.dispatch(b"d0", Error(rid, "d0: Req.params must be dict", "bad_field"))
+    (done,) = router.hub.take(CLIENT, Done)
+    assert done.rid == "a" and done.reason == "error"
+    assert "worker d0 could not serve the request (bad_field)" in done.error
+    assert router.hub.take(b"p0", Abort) == [Abort(rid)]
+    rid = _submit(router, "b", [3] * 8)   # a late error from a worker done with it: kept
+    router.dispatch(b"p0", Prefilled(rid, "sent"))
+    router.dispatch(b"p0", Error(rid, "p0: unknown request", "unknown_rid"))
+    assert router.hub.take(CLIENT, Done) == []
+    router.dispatch(b"d0", Done(rid, "length", n=3))
+    assert router.hub.take(CLIENT, Done)[0].reason == "length"
+
+
 def test_a_silent_worker_is_lost_and_its_requests_fail(router):
     _deployment(router)
     rid = _submit(router, "a", [3] * 8)

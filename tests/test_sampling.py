@@ -32,13 +32,19 @@ def test_unknown_sampling_parameter_is_refused():
 
 
 
-def test_temperature_sampling_is_a_pure_function_of_seed_rid_and_step():
+def test_temperature_sampling_is_a_pure_function_of_seed_or_label_and_step():
     import torch
-    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
-    p = SamplingParams(temperature=1.0, seed=3)
-    a = sample(logits, [p, p], ["x", "y"], [0, 5])
-    assert a == sample(logits, [p, p], ["x", "y"], [0, 5])
-    assert sample(logits, [SamplingParams()] * 2, ["x", "y"], [0, 0]) == \
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    seeded, unseeded = SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0)
+    steps = list(range(64))
+    a = sample(logits, [seeded] * 64, ["x"] * 64, steps)
+    assert a == sample(logits, [seeded] * 64, ["y"] * 64, steps)  # the label plays no part
+    assert a != sample(logits, [SamplingParams(temperature=1.0, seed=4)] * 64, ["x"] * 64,
+                       steps)
+    b = sample(logits, [unseeded] * 64, ["x"] * 64, steps)
+    assert b == sample(logits, [unseeded] * 64, ["x"] * 64, steps)  # a rerun of label x
+    assert b != sample(logits, [unseeded] * 64, ["y"] * 64, steps)
+    assert sample(logits, [SamplingParams()] * 64, ["x"] * 64, steps) == \
         logits.argmax(-1).tolist()
 
 

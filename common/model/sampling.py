@@ -1,8 +1,9 @@
 """Choosing tokens from logits: greedy, or seeded temperature sampling with top-k and
 top-p (nucleus) truncation.
 
-Sampling is a pure function of (params.seed, rid, step), so a request produces the same
-tokens wherever its steps run (prefill computes step 0, decode the rest).
+Sampling is a pure function of (params.seed, step), or of (the request's label, step)
+when it has no seed, so a request produces the same tokens wherever its steps run
+(prefill computes step 0, decode the rest) and again when it is sent again.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import torch
 from common.request import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], rids: list[str],
+def sample(logits: torch.Tensor, params: list[SamplingParams], labels: list[str],
            steps: list[int]) -> list[int]:
-    """One token per row of ``logits`` ([batch, vocab])."""
+    """One token per row of ``logits`` ([batch, vocab]); ``labels`` seed the draws of
+    requests without a seed of their own."""
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):
         if p.temperature == 0:
             out.append(int(greedy[i]))
             continue
-        gen = torch.Generator().manual_seed(_seed(p.seed, rids[i], steps[i]))
+        gen = torch.Generator().manual_seed(_seed(p.seed, labels[i], steps[i]))
         probs = torch.softmax(logits[i].double().cpu() / p.temperature, dim=-1)
         probs = truncate(probs, p.top_k, p.top_p)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
@@ -45,5 +47,6 @@ def truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return probs
 
 
-def _seed(seed: int, rid: str, step: int) -> int:
-    return (seed * 1_000_003 + zlib.crc32(rid.encode()) * 131 + step) % (1 << 63)
+def _seed(seed: int | None, label: str, step: int) -> int:
+    base = zlib.crc32(label.encode()) * 131 if seed is None else seed * 1_000_003
+    return (base + step) % (1 << 63)

@@ -103,11 +103,12 @@ def _plan(req: _Sampling, prompt: list[int], max_tokens: int, lim: Limits,
     stop_strs = _stop_strs(req.stop, lim, text)
     temperature = 1.0 if req.temperature is None else req.temperature
     params = {"max_new_tokens": max_tokens, "temperature": temperature,
-              "seed": req.seed if req.seed is not None else 0,
               "stop_token": req.stop_token_ids[0] if req.stop_token_ids else min(
                   stop_ids, default=-1),
               "top_k": req.top_k if req.top_k is not None else -1,
               "top_p": req.top_p if req.top_p is not None else 1.0}
+    if req.seed is not None:
+        params["seed"] = req.seed
     opts = req.stream_options
     if opts is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
