@@ -105,6 +105,9 @@ class ServeConfig:
     debug_copy_delay_s: float = 0.0
     """Test aid: every copy to or from a host tier (CPU) starts this late, so aborts
     land while copies are in flight. 0 in production."""
+    debug_build_delay_s: float = 0.0
+    """Test aid: a worker's build (model and pools) takes this much longer, like a large
+    checkpoint loading. 0 in production."""
 
     def __post_init__(self) -> None:
         if self.model not in CONFIGS and not self.model_path:
@@ -143,6 +146,8 @@ class ServeConfig:
             raise ValueError(f"rejoin_s={self.rejoin_s} must be >= 0 (0: exit at once)")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
+        if self.debug_copy_delay_s < 0 or self.debug_build_delay_s < 0:
+            raise ValueError("debug_copy_delay_s and debug_build_delay_s must be >= 0")
 
     def _check_models(self) -> None:
         """Refuse a checkpoint pdkv cannot serve now, before any process starts."""

@@ -243,6 +243,16 @@ def test_a_seeded_workload_runs_again_against_a_live_deployment(start, reference
     _stop_and_replay(cluster)
 
 
+def test_workers_that_build_longer_than_the_lease_are_not_lost(start, tmp_path, reference):
+    # a build twice the lease (a large checkpoint loading) once had the router declare
+    # the worker lost while it started: startup has its own deadline (ready_timeout_s)
+    cluster = start(cfg=CFG.with_overrides(debug_build_delay_s=2 * CFG.lease_s))
+    assert not any(w["lost"] for w in cluster.client.status(5).workers.values())
+    assert _serve(cluster) == reference
+    assert ") lost: " not in (tmp_path / "router.log").read_text()
+    _stop_and_replay(cluster)
+
+
 def test_a_worker_without_a_router_says_so_within_its_deadline(tmp_path):
     nowhere = f"ipc://{tmp_path}/nobody.sock"
     proc = subprocess.run(

@@ -107,6 +107,8 @@ class WorkerBase(ABC):
     def start(self, config: ServeConfig) -> None:
         """Build from ``config`` and report ready (``serve`` does this once registered)."""
         self.config = config
+        if config.debug_build_delay_s:  # test aid: a checkpoint that loads slowly
+            time.sleep(config.debug_build_delay_s)
         self.build()
         self.built = True
         self._last_router = self._next_load = time.monotonic()
