@@ -17,6 +17,10 @@ from common.node import Done, Prefilled
 from common.request import BadRequest
 from deploy.text_route import TextRoute
 
+MAX_LABEL = 256
+"""Longest client rid: the router's id (``label#run-n``) stays within what the KV
+transport carries (512)."""
+
 
 @dataclass
 class Route:
@@ -89,8 +93,13 @@ class RouteTable:
         """An id for a new submission of ``label`` by ``client``.
 
         Raises:
-            BadRequest: the client's request of that label is still in flight.
+            BadRequest: the label is empty, too long or not printable (it names the
+                request in every message, log line and free log), or the client's request
+                of that label is still in flight.
         """
+        if not 0 < len(label) <= MAX_LABEL or not label.isprintable():
+            raise BadRequest(f"rid must be 1..{MAX_LABEL} printable characters, got "
+                             f"{len(label)}: {label[:40]!r}")
         if (client, label) in self._by_label:
             raise BadRequest(f"rid {label!r} is already in flight; wait for its done or "
                              "abort it before reusing it")

@@ -79,6 +79,7 @@ def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, re
         "param": ([1, 2], {"beam": 4}, "unknown sampling parameters"),
         "context": ([1] * 4090, {"max_new_tokens": 10}, "model's context of 4096"),
         "hot": ([1, 2], {"temperature": 1e12}, "temperature"),
+        "x" * 600: ([1, 2], {}, "rid must be 1..256 printable characters"),
     }
     for rid, (prompt, params, _) in bad.items():
         client.submit(rid, prompt, params)

@@ -244,6 +244,16 @@ def test_both_workers_of_a_request_dying_ends_it_once(router):
     assert "no ready prefill" in err.error             # it serves on and says why
 
 
+@pytest.mark.parametrize("label", ["", "x" * 257, "two\nlines", "bell\a"])
+def test_a_rid_that_cannot_name_a_request_everywhere_is_refused(router, label):
+    _deployment(router)
+    router.dispatch(CLIENT, Submit(label, pack_ids([1] * 4), {}))
+    (err,) = router.hub.take(CLIENT, Error)
+    assert "rid must be 1..256 printable characters" in err.error, err.error
+    assert not router.hub.take(b"d0", Req) and len(router.routes) == 0
+    _submit(router, "x" * 256, [1] * 4)                # the longest that is served
+
+
 @pytest.mark.parametrize("tokens, params, words", [
     ([1] * 5000, {}, "exceeds the model's context of 4096 positions"),
     ([1] * 4000, {"max_new_tokens": 200}, "exceeds the model's context"),
