@@ -100,6 +100,14 @@ class ServeConfig:
     once."""
     request_timeout_s: float = 600.0
     """Router: a request with no result after this long fails with 'timeout'."""
+    prefill_tp: int = 1
+    """Ranks (devices, processes) of each prefill worker's tensor-parallel group."""
+    decode_tp: int = 1
+    """Ranks of each decode worker's tensor-parallel group; a colocated worker is a group
+    of ``decode_tp`` ranks. Disaggregated workers run with 1 rank today (docs/cluster.md)."""
+    tp_timeout_s: float = 30.0
+    """Deadline of every collective of a tensor-parallel group (rendezvous included): a
+    rank silent this long takes its group down."""
     debug_integrity: bool = False
     """Workers run ``KvCache.check_integrity()`` whenever their loop is idle."""
     debug_copy_delay_s: float = 0.0
@@ -148,6 +156,25 @@ class ServeConfig:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
         if self.debug_copy_delay_s < 0 or self.debug_build_delay_s < 0:
             raise ValueError("debug_copy_delay_s and debug_build_delay_s must be >= 0")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if self.prefill_tp < 1 or self.decode_tp < 1 or self.tp_timeout_s <= 0:
+            raise ValueError(f"prefill_tp={self.prefill_tp}, decode_tp={self.decode_tp} "
+                             f"must be >= 1 and tp_timeout_s={self.tp_timeout_s} > 0")
+        if max(self.prefill_tp, self.decode_tp) == 1:
+            return
+        from common.model import shard_config  # heads and MLP must split evenly
+
+        for tp in {self.prefill_tp, self.decode_tp}:
+            shard_config(self.model_config(), tp)
+        if self.offload:
+            raise ValueError("tensor parallelism (prefill_tp/decode_tp > 1) needs "
+                             "offload=False: the host tier is not split by rank yet")
+        if self.draft_model_path:
+            raise ValueError("tensor parallelism needs no draft_model_path: a draft "
+                             "checkpoint is not sharded yet (n-gram or built-in draft "
+                             "layers work)")
 
     def _check_models(self) -> None:
         """Refuse a checkpoint pdkv cannot serve now, before any process starts."""

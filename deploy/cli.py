@@ -222,6 +222,15 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="addresses on one machine: ipc (default) or tcp on 127.0.0.1")
     g.add_argument("--debug-integrity", action="store_true", default=None,
                    help="workers run check_integrity() whenever idle")
+    g.add_argument("--prefill-tp", type=int, metavar="N",
+                   help="tensor-parallel ranks (processes, devices) per prefill worker "
+                        "(default 1; > 1 not built yet for disaggregated workers)")
+    g.add_argument("--decode-tp", type=int, metavar="M",
+                   help="tensor-parallel ranks per decode or colocated worker (default 1; "
+                        "> 1 needs --no-offload; docs/cluster.md)")
+    g.add_argument("--tp-timeout-s", type=float, metavar="S",
+                   help="deadline of every collective of a tensor-parallel group; a rank "
+                        "silent this long takes its group down (default 30)")
     _add_spec_host_flags(p)
 
 
@@ -467,6 +476,16 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="exit (status 3) when no router answers the registration within S "
                         "seconds (default 60)")
+    g = p.add_argument_group("tensor parallelism (docs/cluster.md)")
+    g.add_argument("--tp-size", type=int, default=1, metavar="N",
+                   help="ranks of this worker's group, one process per device (default 1)")
+    g.add_argument("--tp-rank", type=int, default=0, metavar="R",
+                   help="this process's rank: 0 registers with the router and schedules, "
+                        "the others follow it (default 0)")
+    g.add_argument("--tp-address", default="", metavar="tcp://HOST:PORT",
+                   help="the group's rendezvous, on rank 0's host; the same for every rank")
+    g.add_argument("--tp-timeout-s", type=float, default=30.0, metavar="S",
+                   help="deadline of the rendezvous and of every collective (default 30)")
     _add_log_level(p)
     p.set_defaults(func=_run_worker)
 

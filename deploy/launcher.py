@@ -24,9 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ServeConfig
+from common.node import role_tp
 from deploy.client import Client
 
 logger = logging.getLogger(__name__)
+
+
+RANK = "rank"
+"""Role of a tensor-parallel worker's follower ranks (rank 0 has the worker's role)."""
 
 
 class WorkerDied(RuntimeError):
@@ -95,6 +100,11 @@ class Cluster:
             raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
         if num_decode < 1 or (mode == "disagg" and num_prefill < 1):
             raise ValueError("need at least one decode (and one prefill in disagg mode)")
+        if mode == "disagg" and max(config.prefill_tp, config.decode_tp) > 1:
+            raise ValueError(f"prefill_tp={config.prefill_tp}, decode_tp={config.decode_tp}: "
+                             "tensor-parallel workers run colocated only so far (a "
+                             "disaggregated group's per-rank KV transfer is not built); use "
+                             "--mode colocated --decode-tp N")
         self.config, self.mode = config, mode
         self.devices = devices or ["cpu"]
         # a temporary log directory survives a failure (its path is printed); cleanup()
@@ -131,14 +141,32 @@ class Cluster:
                  + [("decode", f"decode{i}") for i in range(num_decode)]
                  if self.mode == "disagg" else
                  [("colocated", f"colocated{i}") for i in range(num_decode)])
-        for i, (role, name) in enumerate(roles):
-            argv = [*base, role, "--router", self.router_addr, "--name", name,
-                    "--device", self.devices[i % len(self.devices)], "--log-dir",
-                    str(self.log_dir), "--threads", str(self.threads)]
-            if role == "prefill":
-                argv += ["--kv-bind", self._address(name)]
-            procs.append(Proc(name, role, argv, self.log_dir / f"{name}.log"))
+        device = 0  # every rank of every worker gets the next device, round-robin
+        for role, name in roles:
+            tp = role_tp(self.config, role)
+            ranks = [] if tp == 1 else ["--tp-size", str(tp), "--tp-address",
+                                        self._tp_address(), "--tp-timeout-s",
+                                        str(self.config.tp_timeout_s)]
+            for rank in range(tp):
+                argv = [*base, role, "--router", self.router_addr, "--name", name,
+                        "--device", self.devices[device % len(self.devices)], "--log-dir",
+                        str(self.log_dir), "--threads", str(self.threads), *ranks]
+                device += 1
+                if rank:  # a follower rank: no router registration, a log of its own
+                    procs.append(Proc(f"{name}.tp{rank}", RANK, [*argv, "--tp-rank",
+                                      str(rank)], self.log_dir / f"{name}.tp{rank}.log"))
+                    continue
+                if role == "prefill":
+                    argv += ["--kv-bind", self._address(name)]
+                procs.append(Proc(name, role, argv, self.log_dir / f"{name}.log"))
         return procs
+
+    def _tp_address(self) -> str:
+        """A group's rendezvous: a free TCP port on loopback (gloo needs TCP)."""
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -178,7 +206,7 @@ class Cluster:
 
     def _wait_ready(self, names: set[str] | None = None) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
-        want = names or {p.name for p in self.procs if p.role != "router"}
+        want = names or {p.name for p in self.procs if p.role not in ("router", RANK)}
         while time.monotonic() < deadline:
             self.check()
             try:

@@ -47,10 +47,21 @@ def run_router(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
-    from common.node import RouterLost
+    from common.node import RouterLost, TpSpec, run_follower
     name = args.name or f"{args.command}-{socket.gethostname()}"
     try:
-        worker = _build(args, name)
+        tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s)
+    except ValueError as exc:
+        logger.error("%s: %s", name, exc)
+        return 2
+    if tp.rank > 0:  # a follower: no router, no socket but the group's
+        try:
+            return run_follower(tp, name, args.device, args.log_dir)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            logger.info("%s/tp%d: stopped by signal (%s)", name, tp.rank, exc)
+            return 0
+    try:
+        worker = _build(args, name, tp)
         worker.serve()
     except RouterLost as exc:
         logger.error("%s", exc)
@@ -65,12 +76,15 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace, name: str):
+def _build(args: argparse.Namespace, name: str, tp=None):
     local = {field: str(Path(value).expanduser().resolve()) for field, value in
              (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
     common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
                   register_timeout_s=getattr(args, "connect_timeout", 60.0),
                   local_models=local)
+    if tp is not None and tp.size > 1 and args.command != "colocated":
+        raise ValueError(f"--tp-size {tp.size}: tensor-parallel {args.command} workers are "
+                         "not built yet; colocated workers are (docs/cluster.md)")
     if args.command == "prefill":
         from prefill_node.worker import PrefillWorker
         return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, **common)
@@ -78,4 +92,4 @@ def _build(args: argparse.Namespace, name: str):
         from decode_node.worker import DecodeWorker
         return DecodeWorker(**common)
     from deploy.colocated import ColocatedWorker
-    return ColocatedWorker(**common)
+    return ColocatedWorker(**common, tp=tp)

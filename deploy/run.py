@@ -34,7 +34,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
         debug_integrity=args.debug_integrity, spec_k=args.spec_k, offload=args.offload,
         host_pages=args.host_pages, overcommit=args.overcommit,
-        prefix_load_timeout_s=getattr(args, "prefix_load_timeout_s", None))
+        prefix_load_timeout_s=getattr(args, "prefix_load_timeout_s", None),
+        prefill_tp=getattr(args, "prefill_tp", None), decode_tp=getattr(args, "decode_tp", None),
+        tp_timeout_s=getattr(args, "tp_timeout_s", None))
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -101,6 +103,9 @@ def main(args: argparse.Namespace) -> int:
                       metrics_host=args.metrics_host)
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
               else f"{args.decode} colocated")
+    if max(cfg.prefill_tp, cfg.decode_tp) > 1:
+        layout += f" (TP {cfg.prefill_tp}/{cfg.decode_tp})" if args.mode == "disagg" else \
+            f" (TP{cfg.decode_tp})"
     try:
         cluster.start()
         if cluster.metrics_url:

@@ -14,8 +14,17 @@ from common.model.seeded import seeded_tensors
 from common.model.text import Detokenizer, StopStrings
 from common.model.tokenizer import Tokenizer
 from common.model.tp import TpModel, shard_config
+from common.model.tp_lockstep import (
+    TAG_CONFIG,
+    TAG_STEP,
+    LeaderKvCache,
+    LeaderRunner,
+    Lockstep,
+)
+from common.model.tp_mirror import Mirror
 
-__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
+__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "LeaderKvCache",
+           "LeaderRunner", "Lockstep", "Mirror", "TAG_CONFIG", "TAG_STEP", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
            "sample", "seeded_tensors", "shard_config", "TpModel", "write_builtin_tokenizer",

@@ -48,7 +48,9 @@ from common.node.control import (
 )
 from common.node.link import ControlLink, Link, wait_any
 from common.node.registration import RouterLost, register
+from common.node.tp_worker import TpSpec, leader_cache, role_tp
 from common.node.worker_metrics import WorkerMetrics
+from common.parallel import GroupLost
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +72,12 @@ class WorkerBase(ABC):
 
     def __init__(self, name: str, router: str | ControlLink, device: str = "cpu",
                  log_dir: str | None = None, register_timeout_s: float = 60.0, *,
-                 local_models: dict[str, str] | None = None) -> None:
+                 local_models: dict[str, str] | None = None, tp: TpSpec | None = None
+                 ) -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        """Rank 0 of a tensor-parallel group (common/node/tp_worker.py); None: one rank."""
+        self.lockstep = None
         # This host's copies of the checkpoints (model_path, draft_model_path) replace
         # the router's paths; the KV handshake's weights fingerprint proves they match.
         self.local_models = dict(local_models or {})
@@ -135,6 +141,8 @@ class WorkerBase(ABC):
         ``shared_memory`` puts a CPU pool in named shared memory (peers on this host copy
         into it directly); ignored for device pools."""
         cfg = self.config
+        if self.tp is not None or role_tp(cfg, self.role) > 1:
+            return self._make_tp_cache(num_pages)
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
         draft = Model(dcfg, device=self.device) if dcfg else None
@@ -149,6 +157,18 @@ class WorkerBase(ABC):
         self.counting.watch(cfg, cache)
         return model, cache, ModelRunner(model, cache, draft)
 
+    def _make_tp_cache(self, num_pages: int) -> tuple[Model, KvCache, ModelRunner]:
+        if self.tp is None:
+            raise ValueError(f"{self.name}: the deployment runs {self.role} workers with "
+                             f"{role_tp(self.config, self.role)} tensor-parallel ranks; start "
+                             "this one with --tp-size/--tp-rank/--tp-address")
+        model, cache, runner = leader_cache(self.tp, self.role, self.name, self.config,
+                                            num_pages, self.device, self.log_dir,
+                                            self.config.max_rows)
+        self.cache, self.lockstep = cache, cache.lockstep
+        self.counting.watch(self.config, cache)
+        return model, cache, runner
+
     # -- loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self.stopping:
@@ -157,12 +177,23 @@ class WorkerBase(ABC):
             except RouterLost as exc:
                 self._rejoin(exc)
                 continue
-            busy = self.tick()
+            busy = self._tick()
             self._heartbeat()
             if not busy:
                 if self.config.debug_integrity and self.cache is not None:
                     self.cache.check_integrity()
                 wait_any([*self.link.sockets(), *self.sockets()], 0.02)
+
+    def _tick(self) -> bool:
+        try:
+            busy = self.tick()
+            if not busy and self.lockstep is not None:
+                self.lockstep.keepalive()  # idle: followers hear from rank 0 all the same
+            return busy
+        except GroupLost as exc:  # a rank died: the whole group goes, its requests fail
+            logger.error("%s: tensor-parallel group lost: %s", self.name, exc)
+            self.abandon(f"{self.name}: a tensor-parallel rank was lost ({exc}); retry")
+            raise
 
     def poll_control(self) -> None:
         """Handle every message from the router; raise ``RouterLost`` past the lease."""
@@ -325,6 +356,8 @@ class WorkerBase(ABC):
             if self.built:
                 self.built = False
                 self.shutdown()
+                if self.lockstep is not None:
+                    self.lockstep.stop()  # after the pool's close: the ranks close theirs
                 self._report(self._final_load(), final=True)
                 self.link.send(Stats(self.name, self.stats()))
         finally:

@@ -1,0 +1,124 @@
+"""The lockstep of a tensor-parallel worker, in one process: rank 0's cache and runner
+record every change and pass (``LeaderKvCache``, ``LeaderRunner``), a follower's
+``Mirror`` replays the steps on its own cache. The steps are taken off a real subclass of
+``TpGroup`` that keeps what rank 0 broadcast (a group of one: no peers needed), so the
+story checks what a follower does with them: the same page ids, the same free-log events,
+a divergence caught before any KV is written, a lost rank 0 answered by freeing
+everything with reason ``peer_lost``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.freelog import FreeLogReader, replay_file
+from common.kv import KvCache
+from common.model import (
+    TAG_STEP,
+    LeaderKvCache,
+    LeaderRunner,
+    Lockstep,
+    Mirror,
+    Model,
+    ModelRunner,
+    get_config,
+)
+from common.model.runner import BatchItem
+from common.parallel import GroupLost, TpGroup
+
+CFG = get_config("tiny", dtype="float64")
+
+
+class Recording(TpGroup):
+    """A group of one that keeps every step rank 0 broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.steps: list[bytes] = []
+
+    def broadcast_bytes(self, tag: int, payload: bytes | None) -> bytes:
+        assert tag == TAG_STEP
+        self.steps.append(payload)
+        return payload
+
+
+def _pair(tmp_path, model: Model):
+    group = Recording()
+    lead = LeaderKvCache(64, 4, layout=CFG.kv_layout(True), log_path=tmp_path / "r0.freelog",
+                         node="w", lockstep=Lockstep(group))
+    follow = KvCache(64, 4, layout=CFG.kv_layout(True), log_path=tmp_path / "r1.freelog",
+                     node="w/tp1")
+    return group, LeaderRunner(model, lead), Mirror(ModelRunner(model, follow), 1)
+
+
+def _events(path) -> list[tuple]:
+    with FreeLogReader(path) as log:
+        return [(e["op"], e.get("owner"), bytes(e.get("pages", b"")), e.get("reason"))
+                for e in log.records]
+
+
+def test_a_follower_repeats_rank_0_page_for_page(tmp_path, model):
+    group, runner, mirror = _pair(tmp_path, model)
+    cache = runner.cache
+    a, b = cache.open_row("a"), cache.open_row("b")
+    cache.extend(a, 9)
+    cache.extend(b, 5)
+    runner.forward([BatchItem(a, list(range(1, 10)), 0), BatchItem(b, [5, 6, 7, 8, 9], 0)])
+    cache.commit(a, 9)
+    cache.extend(a, 4)  # speculative lookahead, then its tail freed
+    runner.forward_all([BatchItem(a, [3, 4, 5, 6], 9)], draft=True)
+    cache.free_kv_row(a, [(12, 13)], reason="spec_reject")
+    b_pages = cache.pages(b, 0, 5).tolist()
+    cache.free_kv_row(b, [(0, 5)], reason="aborted")
+    cache.close_row(b)
+    pin = cache.pin(a, 0, 8, reason="send")
+    cache.unpin(pin)
+    runner.lockstep.send("idle")
+    for step in group.steps:
+        assert mirror.apply(step)
+    assert np.array_equal(mirror.cache.pages(mirror.rows["a"], 0, 12), cache.pages(a, 0, 12))
+    # the follower's pool holds the same K/V (one model here), written by its own passes
+    pages = cache.pages(a, 0, 12).tolist() + b_pages
+    assert torch.equal(runner.data[pages], mirror.runner.data[pages])
+    assert runner.data[pages].abs().sum() > 0
+    cache.free_kv_row(a, [(0, 12)], reason="finished")
+    cache.close_row(a)
+    cache.close()
+    runner.lockstep.send("stop")
+    assert not mirror.apply(group.steps[-1]) and mirror.closed
+    lead, follow = _events(tmp_path / "r0.freelog"), _events(tmp_path / "r1.freelog")
+    assert lead == follow and ("free", "a", lead[-2][2], "finished") in lead
+    for log in ("r0.freelog", "r1.freelog"):
+        report = replay_file(tmp_path / log)
+        assert report.ok and not report.warnings, report.format()
+
+
+def test_a_follower_whose_pages_differ_stops_before_computing(tmp_path, model):
+    group, runner, mirror = _pair(tmp_path, model)
+    mirror.cache.extend(mirror.cache.open_row("stray"), 4)  # this rank's allocator moved on
+    kv = runner.cache.open_row("a")
+    runner.cache.extend(kv, 4)
+    runner.forward([BatchItem(kv, [1, 2, 3, 4], 0)])
+    with pytest.raises(GroupLost, match=r"a: rank 0 allocated pages \[1\], this rank \[2\]"):
+        mirror.apply(group.steps[-1])
+
+
+def test_a_follower_that_lost_rank_0_frees_what_it_holds(tmp_path, model):
+    group, runner, mirror = _pair(tmp_path, model)
+    cache = runner.cache
+    a = cache.open_row("a")
+    cache.extend(a, 10)
+    cache.commit(a, 10)
+    cache.extend(a, 3)
+    cache.free_kv_row(a, [(12, 13)], reason="spec_reject")  # a freed tail page
+    cache.pin(a, 0, 4, reason="send")
+    runner.lockstep.send("idle")
+    mirror.apply(group.steps[-1])
+    mirror.abandon()  # rank 0 went silent: what this rank holds goes back
+    events = _events(tmp_path / "r1.freelog")
+    assert [e[0] for e in events[-4:]] == ["pin", "unpin", "free", "close"], events
+    # pages 1-3 (positions 0-11) only: the tail page was freed already (no double free)
+    assert events[-2][1:] == ("a", np.array([1, 2, 3], "<i4").tobytes(), "peer_lost")
+    report = replay_file(tmp_path / "r1.freelog")
+    assert report.ok and not report.warnings, report.format()

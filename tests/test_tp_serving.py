@@ -1,0 +1,122 @@
+"""Tensor-parallel workers serving, with real processes: a colocated worker of two gloo
+ranks (one process each, loopback) is token-identical to the single-process reference
+at float64, with speculative decoding (the built-in draft layers) on; every rank writes
+its own free log and each replays clean, the follower's with exactly the pages rank 0
+allocated. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
+requests end with an error naming the lost rank, rank 0 exits, its log replays clean,
+and the deployment serves on with the other worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.config import ServeConfig
+from common.freelog import FreeLogReader, replay_file
+from common.model import Model, generate_greedy
+from deploy.driver import drive
+from deploy.launcher import Cluster
+from deploy.workload import WorkloadSpec, make_workload
+
+pytestmark = pytest.mark.timeout(240)
+
+CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
+                  chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
+                  offload=False, decode_tp=2, tp_timeout_s=10.0, debug_integrity=True)
+SPEC = WorkloadSpec(requests=6, seed=5, rate=40.0, prompt_len=(1, 60), output_len=(1, 10))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    model = Model(CFG.model_config())
+    return {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+            for r in make_workload(SPEC, CFG.model_config().vocab_size)}
+
+
+@pytest.fixture
+def start(tmp_path):
+    made: list[Cluster] = []
+
+    def make(num: int = 1) -> Cluster:
+        made.append(Cluster(CFG, "colocated", 0, num, log_dir=str(tmp_path)))
+        return made[-1].start()
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+def _outputs(cluster: Cluster, spec: WorkloadSpec = SPEC, check: bool = True) -> dict:
+    reqs = make_workload(spec, CFG.model_config().vocab_size)
+    return drive(cluster.client, reqs, check=cluster.check if check else None, timeout_s=120,
+                 lease_s=CFG.lease_s)
+
+
+def test_a_colocated_tp2_worker_equals_the_reference_and_every_rank_log_is_clean(
+        start, reference):
+    cluster = start(1)
+    assert [p.name for p in cluster.procs] == ["router", "colocated0", "colocated0.tp1"]
+    results = _outputs(cluster)
+    assert {rid: r.output_ids for rid, r in results.items()} == reference
+    cluster.stop()
+    cluster.check_exit_codes()
+    logs = {p.name: p for p in cluster.freelogs()}
+    assert set(logs) == {"colocated0.freelog", "colocated0.tp1.freelog"}, logs
+    for log in logs.values():
+        report = replay_file(log)
+        assert report.ok and not report.warnings, report.format()
+    (node0, allocs0), (node1, allocs1) = (_allocs(logs[n]) for n in (
+        "colocated0.freelog", "colocated0.tp1.freelog"))
+    assert (node0, node1) == ("colocated0", "colocated0/tp1")
+    assert allocs0 == allocs1 and len(allocs0) >= len(reference)  # the same pages, in order
+
+
+def _wait_gone(cluster: Cluster, name: str) -> None:
+    """Until the router counts ``name`` lost (its lease ran out) or forgot it."""
+    deadline = time.monotonic() + 4 * CFG.lease_s
+    while time.monotonic() < deadline:
+        w = cluster.client.status(2.0).workers.get(name)
+        if w is None or w["lost"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the router still routes to {name}")
+
+
+def _allocs(path) -> tuple[str, list[tuple[str, bytes]]]:
+    with FreeLogReader(path) as log:
+        return log.header.node, [(e["owner"], bytes(e["pages"])) for e in log.records
+                                 if e.get("op") == "alloc"]
+
+
+def test_a_killed_rank_takes_its_group_down_and_the_deployment_serves_on(
+        start, reference, tmp_path):
+    cluster = start(2)
+    ranks = {p.name: p for p in cluster.procs}
+    long_spec = WorkloadSpec(requests=8, seed=11, rate=200.0, prompt_len=(40, 60),
+                             output_len=(60, 80))
+    reqs = make_workload(long_spec, CFG.model_config().vocab_size)
+    killed = []
+
+    def kill_once(*_):
+        if not killed and sum(1 for _ in tmp_path.glob("*.freelog")) == 4:
+            ranks["colocated0.tp1"].popen.kill()
+            killed.append(time.monotonic())
+
+    results = drive(cluster.client, reqs, progress=kill_once, timeout_s=120,
+                    lease_s=CFG.lease_s)
+    assert killed, "no request finished before the kill"
+    failed = {rid: r.error for rid, r in results.items() if not r.ok}
+    # the pass that hit the dead rank fails its requests (GroupLost), the rest end aborted
+    assert failed and all("GroupLost" in e or "tensor-parallel rank was lost" in e
+                          for e in failed.values()), failed
+    assert ranks["colocated0"].popen.wait(30) == 1  # rank 0 leaves with its group
+    _wait_gone(cluster, "colocated0")
+    after = _outputs(cluster, check=False)
+    assert {rid: r.output_ids for rid, r in after.items()} == reference
+    cluster.stop()
+    for name in ("colocated0", "colocated1", "colocated1.tp1"):
+        report = replay_file(tmp_path / f"{name}.freelog")
+        assert report.ok and not report.warnings, (name, report.format())
+    torn = replay_file(tmp_path / "colocated0.tp1.freelog")  # SIGKILLed: no close, no harm
+    assert not torn.violations, torn.format()
