@@ -86,33 +86,5 @@ class DealerSocket:
         except zmq.Again:
             return None
 
-    # Part by part, so that a data frame can land straight in the pool (recv_into).
-    # A message's parts arrive together: only the first part can be "not there yet".
-    def recv_first_nowait(self) -> bytes | None:
-        """The first part of the next message, or ``None`` when nothing is queued."""
-        try:
-            return self.sock.recv(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-
-    def more(self) -> bool:
-        """True while the current message has parts left to read."""
-        return bool(self.sock.getsockopt(zmq.RCVMORE))
-
-    def recv_into(self, buffer: memoryview) -> int:
-        """Next part into ``buffer``; returns its full size (truncated if larger)."""
-        return self.sock.recv_into(buffer)
-
-    def recv_part(self) -> zmq.Frame:
-        return self.sock.recv(copy=False)
-
-    def skip_rest(self) -> int:
-        """Discard the current message's unread parts; returns how many there were."""
-        n = 0
-        while self.more():
-            self.sock.recv(copy=False)
-            n += 1
-        return n
-
     def close(self) -> None:
         self.sock.close(linger=0)
