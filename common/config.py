@@ -15,6 +15,7 @@ from common.model import CONFIGS, ModelConfig, UnsupportedModel, get_config, loa
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
+_FREELOG_POLICIES = ("pause", "exit")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,15 @@ class ServeConfig:
     debug_build_delay_s: float = 0.0
     """Test aid: a worker's build (model and pools) takes this much longer, like a large
     checkpoint loading. 0 in production."""
+    freelog_on_error: str = "pause"
+    """What a worker does while its free log cannot write (full disk, I/O error):
+    ``pause`` stops admitting new requests (the router routes them elsewhere), finishes
+    the admitted ones and admits again once the log writes (no request lost, the log exact
+    while memory lasts); ``exit`` makes the worker exit with status 4 (its in-flight
+    requests fail) for supervisors that replace workers. docs/freelog.md."""
+    freelog_max_buffer_kib: int = 65536
+    """KiB of free-log records a worker keeps in memory while the file refuses writes;
+    past it they are dropped and the log records a ``lost`` marker (replay: incomplete)."""
 
     def __post_init__(self) -> None:
         if self.model not in CONFIGS and not self.model_path:
@@ -152,6 +162,12 @@ class ServeConfig:
                              f"< lease_s={self.lease_s}")
         if self.rejoin_s < 0:
             raise ValueError(f"rejoin_s={self.rejoin_s} must be >= 0 (0: exit at once)")
+        if self.freelog_on_error not in _FREELOG_POLICIES:
+            raise ValueError(f"freelog_on_error={self.freelog_on_error!r}; allowed: "
+                             f"{_FREELOG_POLICIES}")
+        if self.freelog_max_buffer_kib < 1:
+            raise ValueError(f"freelog_max_buffer_kib={self.freelog_max_buffer_kib} must "
+                             "be >= 1")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
         if self.debug_copy_delay_s < 0 or self.debug_build_delay_s < 0:

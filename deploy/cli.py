@@ -67,12 +67,18 @@ def _add_replay(sub) -> None:
         description="Rebuild every pool page by page from free logs and report leaks, "
                     "double frees, foreign frees, reuse while pinned, unknown unpins, "
                     "seq gaps and pages still held at close. Each LOG is one process's "
-                    "pools and is verified on its own. Format: docs/freelog.md.",
+                    "pools and is verified on its own; a folder stands for every *.freelog "
+                    "in it (each restart of a process writes a new file: decode0.freelog, "
+                    "decode0.1.freelog, ...). Format: docs/freelog.md.",
         epilog="exit status: 0 every log clean, 1 a violation in some log, 2 a log "
-               "unreadable (missing, not msgpack, wrong header or version). A torn last "
-               "record and a missing close event are warnings, not failures.",
+               "unreadable (missing, not msgpack, wrong header or version), 3 a log "
+               "incomplete (its writer lost events, e.g. on a full disk: it is never "
+               "reported clean). With several logs the most severe wins, in the order "
+               "2, 1, 3, 0. A torn last record and a missing close event are warnings, "
+               "not failures.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("logs", nargs="+", metavar="LOG", help="free log files to verify")
+    p.add_argument("logs", nargs="+", metavar="LOG|DIR",
+                   help="free log files to verify, or folders of them")
     p.add_argument("--json", action="store_true",
                    help="print one machine-readable JSON report (ok, exit_code, per log: "
                         "pools stats, warnings, violations) instead of the summary")

@@ -30,17 +30,24 @@ class WorkerInfo:
     routed: int = 0
     """Requests routed here and not finished."""
     stats: dict | None = None
+    paused: str = ""
+    """Why the worker admits no new requests (from its ``Load``); empty: it does."""
 
 
 def live(workers: Iterable[WorkerInfo], *roles: str) -> list[WorkerInfo]:
-    return [w for w in workers if w.role in roles and w.ready and not w.lost]
+    """Workers of ``roles`` that take new requests: ready, not lost, not paused."""
+    return [w for w in workers if w.role in roles and w.ready and not w.lost
+            and not w.paused]
 
 
 def max_tokens(workers: Iterable[WorkerInfo]) -> int:
     """Longest row (prompt + new tokens) some ready decode or colocated worker holds."""
+    workers = list(workers)
     decodes = live(workers, "decode", "colocated")
     if not decodes:
-        raise BadRequest("no decode or colocated worker is ready")
+        paused = [f"{w.name} ({w.paused})" for w in workers if w.paused and not w.lost]
+        raise BadRequest("no decode or colocated worker is ready" + (
+            f"; not admitting: {', '.join(paused)}" if paused else ""))
     return max(w.pool_tokens for w in decodes)
 
 

@@ -1,8 +1,9 @@
 """Bodies of the ``pdkv router|prefill|decode|colocated`` processes.
 
 Each sets up logging and threads, builds its object, serves until shutdown and returns an
-exit status: 0 after a clean shutdown, 3 when the router was lost, 1 on an error (logged
-with its traceback). SIGTERM and SIGINT end the loop through the same clean path: rows
+exit status: 0 after a clean shutdown, 3 when the router was lost, 4 when a free log
+could not write and ``freelog_on_error`` is ``exit``, 1 on an error (logged with its
+traceback). SIGTERM and SIGINT end the loop through the same clean path: rows
 freed, free log closed.
 """
 
@@ -47,7 +48,7 @@ def run_router(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
-    from common.node import RouterLost, TpSpec, run_follower
+    from common.node import FreeLogFailed, RouterLost, TpSpec, run_follower
     name = args.name or f"{args.command}-{socket.gethostname()}"
     try:
         tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s)
@@ -66,6 +67,9 @@ def run_worker(args: argparse.Namespace) -> int:
     except RouterLost as exc:
         logger.error("%s", exc)
         return 3
+    except FreeLogFailed as exc:
+        logger.error("%s", exc)
+        return 4
     except (KeyboardInterrupt, SystemExit) as exc:
         logger.info("%s: stopped by signal (%s)", name, exc)
         return 0

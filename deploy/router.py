@@ -192,7 +192,14 @@ class Router:
         logger.info("router: %s ready (%d pool tokens)", w.name, w.pool_tokens)
 
     def _on_load(self, peer: bytes, msg: Load) -> None:
-        pass  # last_seen is refreshed by dispatch; routing uses the router's own counts
+        # last_seen is refreshed by dispatch; routing uses the router's own counts
+        w = self.workers.get(self.by_peer.get(peer, ""))
+        if w is not None and w.paused != msg.paused:
+            if msg.paused:
+                logger.error("router: %s admits no new requests: %s", w.name, msg.paused)
+            else:
+                logger.warning("router: %s admits new requests again", w.name)
+            w.paused = msg.paused
 
     def _on_stats(self, peer: bytes, msg: Stats) -> None:
         self.workers[self.by_peer[peer]].stats = msg.stats
@@ -301,8 +308,8 @@ class Router:
 
     def _on_status(self, peer: bytes, msg: Status) -> None:
         self.hub.send(peer, StatusReport(
-            workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid}
-                     for w in self.workers.values()},
+            workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
+                              "paused": w.paused} for w in self.workers.values()},
             in_flight=len(self.routes), config=self.config.to_dict(),
             errors=dict(self.errors), metrics_url=self.metrics.url, nonce=msg.nonce))
 

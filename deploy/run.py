@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from common.config import DEFAULT, ServeConfig, resolve_model
-from common.freelog import replay_file
+from common.freelog import UnreadableLog, replay_file
 from deploy.driver import Result, drive, router_lost
 from deploy.launcher import Cluster, WorkerDied
 from deploy.summary import format_summary, summarize
@@ -75,15 +75,45 @@ def _progress_line(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def replay_all(paths: list[Path]) -> list[str]:
-    """Replay each free log; returns one line per log with a problem."""
-    problems = []
+def replay_all(paths: list[Path], stats: dict | None = None) -> dict:
+    """Replay each free log and gather what the workers said about theirs.
+
+    Returns ``{"clean": [names], "violations": [names], "incomplete": [names],
+    "unreadable": [names], "reported": {worker: problem}, "details": [text]}``: a log is
+    incomplete when it holds a ``lost`` marker, or when its worker reported events it
+    never wrote (the file then just ends, and replay alone cannot tell).
+    """
+    out: dict = {"clean": [], "violations": [], "incomplete": [], "unreadable": [],
+                 "reported": {}, "details": []}
+    for name, s in (stats or {}).items():
+        if s.get("freelog_problem"):
+            out["reported"][name] = str(s["freelog_problem"])
     for path in paths:
-        report = replay_file(path)
-        if not report.ok:
-            problems.append(f"{path.name}: {len(report.violations)} violation(s)\n"
-                            f"{report.format()}")
-    return problems
+        try:
+            report = replay_file(path)
+        except UnreadableLog as exc:
+            out["unreadable"].append(path.name)
+            out["details"].append(f"{path.name}: UNREADABLE: {exc}")
+            continue
+        said = out["reported"].get(report.node, "")  # names the files it could not write
+        if report.num_violations:
+            out["violations"].append(path.name)
+        elif report.incomplete or f"/{path.name}:" in said:
+            out["incomplete"].append(path.name)
+        else:
+            out["clean"].append(path.name)
+            continue
+        out["details"].append(f"{path.name}:\n{report.format()}")
+    out["details"] += [f"{w}: {p}" for w, p in out["reported"].items()]
+    return out
+
+
+def _free_log_line(checked: dict) -> str:
+    total = sum(len(checked[k]) for k in ("clean", "violations", "incomplete", "unreadable"))
+    bad = [f"{len(checked[k])} {label} ({', '.join(checked[k])})" for k, label in (
+        ("violations", "with VIOLATIONS"), ("incomplete", "INCOMPLETE"),
+        ("unreadable", "UNREADABLE")) if checked[k]]
+    return f"  free logs     {total} replayed, " + (", ".join(bad) if bad else "clean")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -118,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdkv run: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
         return 2
     code = _report(args, results, summarize(results, stats, wall), cluster.freelogs(),
-                   layout, cluster.log_dir)
+                   layout, cluster.log_dir, stats)
     if code == 0:
         cluster.cleanup()
     return code
@@ -151,26 +181,30 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
     logs = sorted(Path(args.log_dir).glob("*.freelog")) if args.log_dir and args.shutdown \
         else []
     return _report(args, results, summarize(results, stats, wall), logs,
-                   f"{len(workers)} workers at {args.router}", args.log_dir or "")
+                   f"{len(workers)} workers at {args.router}", args.log_dir or "", stats)
 
 
 def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
-            freelogs: list[Path], layout: str, log_dir) -> int:
+            freelogs: list[Path], layout: str, log_dir, stats: dict | None = None) -> int:
     """Replay the free logs, write --output, print the summary; the exit status."""
-    problems = replay_all(freelogs)
-    summary["freelogs"], summary["freelog_violations"] = len(freelogs), len(problems)
+    checked = replay_all(freelogs, stats)
+    summary["freelogs"] = len(freelogs)
+    summary["freelog_violations"] = len(checked["violations"])
+    summary["freelog_incomplete"] = checked["incomplete"] + checked["unreadable"]
+    summary["freelog_problems"] = checked["reported"]
     _write_output(args, results)
     if args.json:
         print(json.dumps({"mode": args.mode, "layout": layout, **summary}))
     else:
         print(format_summary(summary, args.mode, layout))
-        print(f"  free logs     {len(freelogs)} replayed, "
-              f"{'clean' if not problems else 'VIOLATIONS'}")
-    for p in problems:
+        print(_free_log_line(checked))
+    for p in checked["details"]:
         print(p, file=sys.stderr)
-    if problems or summary["ok"] != summary["requests"]:
-        print(f"pdkv run: {'free-log violations' if problems else 'requests failed'}; "
-              f"logs kept in {log_dir}", file=sys.stderr)
+    bad_logs = checked["violations"] or summary["freelog_incomplete"] or checked["reported"]
+    if bad_logs or summary["ok"] != summary["requests"]:
+        why = "free-log violations" if checked["violations"] else (
+            "free logs incomplete" if bad_logs else "requests failed")
+        print(f"pdkv run: {why}; logs kept in {log_dir}", file=sys.stderr)
         return 1
     return 0
 

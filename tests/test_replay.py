@@ -367,3 +367,78 @@ def test_bulk_pin_of_free_pages_and_missing_release_are_caught(tmp_path):
     report = replay(tmp_path, [alloc("req-1", *BIG), pin(1, *BIG), free("req-1", *BIG),
                                unpin(1, *BIG), close()])
     assert "missing-release" in report.violations_by_kind, report.format()
+
+
+# -- lost events (the writer could not write: docs/freelog.md "When the disk fails") ---------
+def lost(seq, count, error="ENOSPC (No space left on device)"):
+    return {"seq": seq, "op": "lost", "pool": "", "count": count, "error": error}
+
+
+def test_lost_events_make_a_log_incomplete_and_never_clean(tmp_path):
+    report = replay(tmp_path, [
+        alloc("req-1", 1),                                # seq 0, judged
+        lost(1, 5),                                       # seqs 1..5 never written
+        {**free("req-1", 1), "seq": 6},                   # read, not judged
+        {**alloc("req-2", 1), "seq": 7},                  # would look like a double alloc
+        {**close(), "seq": 8},
+    ])
+    assert report.incomplete and not report.ok and report.exit_code == 3
+    assert report.num_violations == 0, report.format()
+    assert report.lost_events == 5 and report.unjudged_events == 2
+    assert report.gaps == [{"seq": 1, "count": 5, "error": "ENOSPC (No space left on device)"}]
+    assert report.closed and report.close_seq == 8
+    text = report.format()
+    assert "INCOMPLETE: 5 event(s) lost in 1 gap(s), the first at seq 1" in text
+    assert text.endswith("INCOMPLETE (not proven clean)")
+
+
+def test_a_violation_before_the_gap_still_fails_with_1(tmp_path):
+    report = replay(tmp_path, [alloc("r", 1), free("r", 1), free("r", 1), lost(3, 2),
+                               {**close(), "seq": 5}])
+    assert report.violations_by_kind == {"double-free": 1}
+    assert report.incomplete and report.exit_code == 1
+
+
+def test_a_release_due_at_the_gap_is_not_a_violation(tmp_path):
+    report = replay(tmp_path, [alloc("r", 1), pin(1, 1), free("r", 1), unpin(1, 1),
+                               lost(4, 1), {**close(), "seq": 5}])
+    assert report.num_violations == 0 and report.exit_code == 3, report.format()
+
+
+def test_seqs_after_a_gap_must_resume_at_seq_plus_count(tmp_path):
+    report = replay(tmp_path, [alloc("r", 1), lost(1, 3), {**free("r", 1), "seq": 5},
+                               {**lost(6, 2), "error": "EIO (Input/output error)"},
+                               {**close(), "seq": 8}])
+    assert report.violations_by_kind == {"seq-gap": 1}
+    v = report.violations[0]
+    assert (v.seq, "expected 4, got 5" in v.message) == (5, True)
+    assert report.lost_events == 5 and [g["seq"] for g in report.gaps] == [1, 6]
+
+
+def test_cli_exit_3_for_incomplete_and_severity_across_logs(tmp_path):
+    clean = write_log(tmp_path / "a.freelog", [alloc("r", 1), free("r", 1), close()])
+    partial = write_log(tmp_path / "b.freelog", [alloc("r", 1), lost(1, 4),
+                                                 {**close(), "seq": 5}])
+    dirty = write_log(tmp_path / "c.freelog", [alloc("r", 1), close()])
+    assert _cli(str(clean), str(partial)).returncode == 3
+    assert _cli(str(partial), str(dirty)).returncode == 1
+    assert _cli(str(partial), str(tmp_path / "missing.freelog")).returncode == 2
+    doc = json.loads(_cli("--json", str(partial)).stdout)
+    log = doc["logs"][0]
+    assert (doc["ok"], doc["exit_code"], log["ok"], log["incomplete"]) == (False, 3, False, True)
+    assert log["lost_events"] == 4 and log["gaps"][0]["seq"] == 1
+    out = _cli(str(partial))
+    assert "INCOMPLETE" in out.stdout and "OK" not in out.stdout.split("\n")[-2]
+
+
+def test_cli_replays_every_incarnation_in_a_folder(tmp_path):
+    for name in ("decode0.freelog", "decode0.1.freelog", "prefill0.freelog"):
+        write_log(tmp_path / name, [alloc("r", 1), free("r", 1), close()])
+    (tmp_path / "decode0.log").write_text("not a free log")
+    out = _cli("--json", str(tmp_path))
+    assert out.returncode == 0, out.stdout
+    assert [Path(log["log"]).name for log in json.loads(out.stdout)["logs"]] == [
+        "decode0.1.freelog", "decode0.freelog", "prefill0.freelog"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _cli(str(empty)).returncode == 2

@@ -1,10 +1,21 @@
-"""The free log: the recording writer, the streaming reader and ``pdkv replay``."""
+"""The free log: the recording writer, its health, the streaming reader and ``pdkv replay``."""
 
 from common.freelog.cli import main as replay_main
+from common.freelog.health import LogHealth, log_problems
 from common.freelog.reader import FreeLogReader, UnreadableLog
 from common.freelog.replay import replay_file
-from common.freelog.report import ReplayReport, Violation
-from common.freelog.writer import FORMAT, VERSION, FreeLogWriter
+from common.freelog.report import (
+                                   EXIT_CLEAN,
+                                   EXIT_INCOMPLETE,
+                                   EXIT_UNREADABLE,
+                                   EXIT_VIOLATIONS,
+                                   ReplayReport,
+                                   Violation,
+                                   combined_exit,
+)
+from common.freelog.writer import FORMAT, VERSION, FreeLogWriter, configure
 
-__all__ = ["FORMAT", "VERSION", "FreeLogReader", "FreeLogWriter", "ReplayReport",
-           "UnreadableLog", "Violation", "replay_file", "replay_main"]
+__all__ = ["EXIT_CLEAN", "EXIT_INCOMPLETE", "EXIT_UNREADABLE", "EXIT_VIOLATIONS", "FORMAT",
+           "VERSION", "configure", "FreeLogReader", "FreeLogWriter", "LogHealth", "ReplayReport",
+           "UnreadableLog", "Violation", "combined_exit", "log_problems", "replay_file",
+           "replay_main"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from common.freelog.reader import UnreadableLog
 from common.freelog.replay import replay_file
-from common.freelog.report import ReplayReport
+from common.freelog.report import ReplayReport, combined_exit
 
 
 def plot_reports(reports: list[ReplayReport], out: str) -> None:
@@ -35,11 +36,24 @@ def plot_reports(reports: list[ReplayReport], out: str) -> None:
     plt.close(fig)
 
 
+def expand_logs(paths: list[str]) -> list[str]:
+    """Each folder stands for the ``*.freelog`` files in it (every incarnation of every
+    process, sorted); files stay as given. A folder without logs stays itself, so that it
+    is reported unreadable."""
+    out: list[str] = []
+    for path in paths:
+        found = sorted(str(p) for p in Path(path).glob("*.freelog")) \
+            if os.path.isdir(path) else []
+        out += found or [path]
+    return out
+
+
 def main(args) -> int:
     """``pdkv replay``: args has logs, json, plot, progress, max_violations.
 
     Returns the exit status: 0 every log clean, 1 a violation, 2 an unreadable log
-    (or a plot that cannot be made).
+    (or a plot that cannot be made), 3 a log with lost events (incomplete); with several
+    logs the most severe in the order 2, 1, 3, 0.
     """
     plot = getattr(args, "plot", None)
     if plot and not _have_matplotlib():
@@ -48,16 +62,18 @@ def main(args) -> int:
         return 2
     progress = getattr(args, "progress", None)
     reports = []
-    for path in args.logs:
+    for path in expand_logs(args.logs):
         show = sys.stderr.isatty() if progress is None else progress
         try:
+            if os.path.isdir(path):
+                raise UnreadableLog(f"{path}: a folder without *.freelog files")
             report = replay_file(path, samples=bool(plot), progress=show)
         except UnreadableLog as exc:
             report = ReplayReport(path=os.fspath(path), error=str(exc))
         reports.append(report)
         if not getattr(args, "json", False):
             print(report.format(getattr(args, "max_violations", 50)), flush=True)
-    status = max(r.exit_code for r in reports)
+    status = combined_exit([r.exit_code for r in reports])
     if getattr(args, "json", False):
         print(json.dumps({"ok": status == 0, "exit_code": status,
                           "logs": [r.to_dict() for r in reports]}, indent=2))

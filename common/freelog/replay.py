@@ -113,6 +113,7 @@ class Replayer:
         self._owner_names: list[Any] = []
         self._expect: tuple[_Pool, list[int], int] | None = None  # release due after unpin
         self._closed = False
+        self._gap_seq: int | None = None  # seq of the first lost marker: judging stopped
         self._max_violations = max_violations
         self._progress = progress
         self._samples: dict[str, list] | None = (
@@ -155,6 +156,9 @@ class Replayer:
                     expect_release = self._expect is not None
                     if self._closed:
                         count += self._after_close()
+                        break
+                    if self._gap_seq is not None:
+                        count += self._after_gap(seq_next)
                         break
                     continue
                 if seq != seq_next:
@@ -536,6 +540,8 @@ class Replayer:
         seq, op, pool = ev["seq"], ev.get("op"), ev.get("pool")
         if seq != seq_next:
             self._seq_gap(seq, seq_next)
+        if op == "lost":
+            return self._lost(ev, seq)
         if self._expect is not None and op != "release":
             self._missing_release(seq)
         if op == "close":
@@ -573,6 +579,59 @@ class Replayer:
             self._violate(seq, "malformed-event", ev["pool"],
                           f"{op} event lacks or mistypes a key ({exc!r})")
         return seq + 1
+
+    def _lost(self, ev: dict, seq: int) -> int:
+        """A ``lost`` marker: ``count`` events from ``seq`` on never reached the file.
+
+        What they did to pages and pins is unknown, so judging stops here (the state before
+        the gap was judged; ``_after_gap`` only reads on). Returns the next seq due."""
+        count = ev.get("count")
+        if type(count) is not int or count < 0:
+            self._violate(seq, "malformed-event", "", f"lost marker with a bad count: "
+                          f"{_short_repr(ev)}")
+            count = 0
+        self._expect = None  # the release it waited for may be among the lost events
+        self._note_gap(seq, count, ev.get("error", ""))
+        self._gap_seq = seq
+        return seq + count
+
+    def _note_gap(self, seq: int, count: int, error: Any) -> None:
+        self.report.gaps.append({"seq": seq, "count": count, "error": str(error)})
+        self.report.lost_events += count
+
+    def _after_gap(self, seq_next: int) -> int:
+        """Read the rest of the log after a gap: count it, check the seqs, note more
+        gaps and the close, judge nothing else. Returns how many records it read."""
+        count = 0
+        for ev in self.reader.records:
+            count += 1
+            seq = ev.get("seq") if isinstance(ev, dict) else None
+            op = ev.get("op") if isinstance(ev, dict) else None
+            if type(seq) is not int:
+                self._violate(seq_next, "malformed-event", "", f"record after the gap is not "
+                              f"an event map with an int seq: {_short_repr(ev)}")
+                continue
+            if self._closed:
+                self._violate(seq, "event-after-close", "",
+                              f"{op} event after the close at seq {self.report.close_seq}")
+                continue
+            if seq != seq_next:
+                self._seq_gap(seq, seq_next)
+            seq_next = seq + 1
+            if op == "lost":
+                lost = ev.get("count")
+                lost = lost if type(lost) is int and lost >= 0 else 0
+                self._note_gap(seq, lost, ev.get("error", ""))
+                seq_next = seq + lost
+            elif op == "close":
+                self._closed = True
+                self.report.closed, self.report.close_seq = True, seq
+                retained = ev.get("retained", [])
+                self.report.retained = [str(r) for r in retained] \
+                    if isinstance(retained, list) else []
+            else:
+                self.report.unjudged_events += 1
+        return count
 
     def _after_close(self) -> int:
         count = 0
@@ -659,7 +718,7 @@ class Replayer:
             self._violate(-1, "corrupt-data", "",
                           f"undecodable bytes after offset {end} ({corrupt}); "
                           "the rest of the log was not read")
-        if not self._closed:
+        if not self._closed and self._gap_seq is None:
             held = sum(ps.in_use for ps in self.pools.values())
             pins = sum(len(ps.live) for ps in self.pools.values())
             report.warnings.append(

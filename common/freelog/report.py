@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_UNREADABLE, EXIT_INCOMPLETE = 0, 1, 2, 3
+_SEVERITY = (EXIT_UNREADABLE, EXIT_VIOLATIONS, EXIT_INCOMPLETE, EXIT_CLEAN)
+
+
+def combined_exit(codes: list[int]) -> int:
+    """The exit status of several logs: the most severe, 2 then 1 then 3 then 0."""
+    return next((c for c in _SEVERITY if c in codes), EXIT_CLEAN)
+
 
 @dataclass
 class Violation:
@@ -49,14 +57,27 @@ class ReplayReport:
     samples: dict[str, Any] | None = None  # t_s and in-use pages per pool, for --plot
     error: str | None = None  # set when the log was unreadable
     seconds: float = 0.0
+    gaps: list[dict[str, Any]] = field(default_factory=list)  # lost markers: seq, count, error
+    lost_events: int = 0
+    unjudged_events: int = 0  # events after the first gap (read, not judged)
+
+    @property
+    def incomplete(self) -> bool:
+        """Events are missing (``lost`` markers): the log cannot prove anything after them."""
+        return bool(self.gaps)
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.num_violations == 0
+        """Clean: readable, complete and without a violation."""
+        return self.error is None and self.num_violations == 0 and not self.incomplete
 
     @property
     def exit_code(self) -> int:
-        return 2 if self.error is not None else (0 if self.ok else 1)
+        if self.error is not None:
+            return EXIT_UNREADABLE
+        if self.num_violations:
+            return EXIT_VIOLATIONS
+        return EXIT_INCOMPLETE if self.incomplete else EXIT_CLEAN
 
     def to_dict(self) -> dict[str, Any]:
         d = {"log": self.path, "ok": self.ok, "exit_code": self.exit_code}
@@ -69,6 +90,8 @@ class ReplayReport:
                 "violations_by_kind": self.violations_by_kind,
                 "violations_truncated": self.num_violations > len(self.violations),
                 "violations": [v.__dict__ for v in self.violations],
+                "incomplete": self.incomplete, "lost_events": self.lost_events,
+                "gaps": self.gaps, "unjudged_events": self.unjudged_events,
                 "seconds": round(self.seconds, 3)}
 
     def format(self, max_violations: int = 50) -> str:
@@ -94,7 +117,15 @@ def format_report(r: ReplayReport, max_violations: int) -> str:
         lines += [f"    {v.format()}" for v in shown]
         if r.num_violations > len(shown):
             lines.append(f"    ... and {r.num_violations - len(shown)} more (see --json)")
-    verdict = "OK" if r.ok else f"FAILED ({r.num_violations} violations)"
+    if r.incomplete:
+        first = r.gaps[0]
+        lines.append(f"  INCOMPLETE: {r.lost_events:,} event(s) lost in {len(r.gaps)} gap(s), "
+                     f"the first at seq {first['seq']} ({first['error'] or 'no cause given'}); "
+                     f"{r.unjudged_events:,} event(s) after it were read but not judged")
+    if r.num_violations:
+        verdict = f"FAILED ({r.num_violations} violations)"
+    else:
+        verdict = "INCOMPLETE (not proven clean)" if r.incomplete else "OK"
     lines.append(f"  {verdict}" + (f", {len(r.warnings)} warning(s)" if r.warnings else ""))
     return "\n".join(lines)
 

@@ -45,13 +45,13 @@ from common.node.keys import Keys, KeysError, role_of
 from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
 from common.node.registration import RouterLost
 from common.node.tp_worker import TpSpec, role_tp, run_follower
-from common.node.worker_base import WorkerBase, setup_process
+from common.node.worker_base import FreeLogFailed, WorkerBase, setup_process
 
-__all__ = ["Abort", "Bye", "CODEC", "ControlHub", "ControlLink", "Done", "Error", "Hub",
-           "INSECURE", "InsecureBind", "Keys", "KeysError", "Link", "Load", "MAX_CONTROL_BYTES",
-           "Malformed", "Message", "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping",
-           "PlaneAuth", "Pong", "Prefilled", "Ready", "Register", "Registered", "Req",
-           "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport",
-           "Submit", "Tokens", "TpSpec", "WorkerBase", "check_bind", "control_client",
-           "control_server", "new_kv_plane", "principal", "role_of", "role_tp", "run_follower",
-           "setup_process", "wait_any"]
+__all__ = ["Abort", "Bye", "CODEC", "ControlHub", "ControlLink", "Done", "Error", "FreeLogFailed",
+           "Hub", "INSECURE", "InsecureBind", "Keys", "KeysError", "Link", "Load",
+           "MAX_CONTROL_BYTES", "Malformed", "Message", "MetricsQuery", "MetricsReport",
+           "MetricsSnapshot", "Ping", "PlaneAuth", "Pong", "Prefilled", "Ready", "Register",
+           "Registered", "Req", "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats",
+           "Status", "StatusReport", "Submit", "Tokens", "TpSpec", "WorkerBase", "check_bind",
+           "control_client", "control_server", "new_kv_plane", "principal", "role_of", "role_tp",
+           "run_follower", "setup_process", "wait_any"]

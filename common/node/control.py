@@ -78,6 +78,8 @@ class Load:
     free_tokens: int
     queued_tokens: int = 0
     """Prompt tokens waiting for a row (prefill)."""
+    paused: str = ""
+    """Why the worker admits no new requests (a free log cannot write); empty: it does."""
 
 
 @dataclass(frozen=True)

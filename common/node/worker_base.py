@@ -24,12 +24,15 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import zmq
 
 from common.config import ServeConfig
+from common.freelog import configure as configure_freelog
+from common.freelog import log_problems
 from common.kv import KvCache
 from common.model import Model, ModelRunner
 from common.node.control import (
@@ -53,6 +56,10 @@ from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
 logger = logging.getLogger(__name__)
+
+
+class FreeLogFailed(RuntimeError):
+    """A free log of this worker cannot write and ``freelog_on_error`` is ``exit``."""
 
 
 class WorkerBase(ABC):
@@ -90,6 +97,7 @@ class WorkerBase(ABC):
         self.built = False
         self.stopping = False
         self._last_router = self._next_load = 0.0
+        self.paused = ""  # why no new work is admitted (a free log cannot write); "" admits
         self.counting = WorkerMetrics(self.role, self.metric_readings)
         self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
@@ -113,6 +121,7 @@ class WorkerBase(ABC):
     def start(self, config: ServeConfig) -> None:
         """Build from ``config`` and report ready (``serve`` does this once registered)."""
         self.config = config
+        configure_freelog(max_buffer_bytes=config.freelog_max_buffer_kib << 10)
         if config.debug_build_delay_s:  # test aid: a checkpoint that loads slowly
             time.sleep(config.debug_build_delay_s)
         self.build()
@@ -282,9 +291,24 @@ class WorkerBase(ABC):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
-            load = self.load()
+            self._check_free_logs()
+            load = replace(self.load(), paused=self.paused)
             self.link.send(load)
             self._report(load)
+
+    def _check_free_logs(self) -> None:
+        """While a free log cannot write, admit nothing new (the router stops routing here
+        on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md)."""
+        failing = [h for h in log_problems() if not h.ok]
+        why = "; ".join(h.summary() for h in failing)
+        if failing and self.config.freelog_on_error == "exit":
+            raise FreeLogFailed(f"{self.name}: exiting (freelog_on_error=exit): {why}")
+        if bool(why) != bool(self.paused):
+            if why:
+                logger.error("%s: not admitting new requests: %s", self.name, why)
+            else:
+                logger.warning("%s: free logs write again; admitting new requests", self.name)
+        self.paused = why
 
     def send(self, msg: Message) -> None:
         self.counting.on_send(msg, self.cache)
@@ -359,11 +383,20 @@ class WorkerBase(ABC):
                 if self.lockstep is not None:
                     self.lockstep.stop()  # after the pool's close: the ranks close theirs
                 self._report(self._final_load(), final=True)
-                self.link.send(Stats(self.name, self.stats()))
+                self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats()}))
         finally:
             if self.link is not None:
                 self.link.close()
             self.ctx.destroy(linger=0)  # also closes what a failed build left open
+
+
+def _free_log_stats() -> dict:
+    """Final-stats entries for free logs that lost events or never finished writing."""
+    problems = log_problems()
+    if not problems:
+        return {}
+    return {"freelog_lost_events": sum(h.lost_events for h in problems),
+            "freelog_problem": "; ".join(h.summary() for h in problems)}
 
 
 def setup_process(threads: int) -> None:
