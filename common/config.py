@@ -262,16 +262,58 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ServeConfig:
-        """Build and validate; unknown keys are an error naming the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        """Build and validate (a config file, ``--config-json``, the router's message).
+
+        Raises:
+            ConfigError: an unknown key (naming the known ones), a value of the wrong type
+                (``"page_size": "32"``: naming the field and the type it needs) or out of
+                range; one line each.
+        """
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+            raise ConfigError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
+        for name, value in d.items():
+            _check_type(name, known[name], value)
+        try:
+            return cls(**d)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def with_overrides(self, **changes: object) -> ServeConfig:
-        """A validated copy with some fields changed; ``None`` values are ignored."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A validated copy with some fields changed; ``None`` values are ignored.
+
+        Raises:
+            ConfigError: as ``from_dict``.
+        """
+        changes = {k: v for k, v in changes.items() if v is not None}
+        for name, value in changes.items():
+            _check_type(name, next((f.type for f in fields(self) if f.name == name), ""),
+                        value)
+        try:
+            return replace(self, **changes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the field and what is allowed
+    (``pdkv`` prints it as one line, no traceback)."""
+
+
+_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
+          "str": (str, "a string"), "bool": (bool, "true or false")}
+
+
+def _check_type(name: str, annotation: object, value: object) -> None:
+    wanted = _TYPES.get(str(annotation))
+    if wanted is None:
+        return
+    types, words = wanted
+    # bool is an int in Python, but "page_size": true is a mistake, not 1
+    if not isinstance(value, types) or (isinstance(value, bool) and str(annotation) != "bool"):
+        raise ConfigError(f"config field {name!r} must be {words}, not {value!r} "
+                          f"({type(value).__name__})")
 
 
 def _checkpoint_config(field: str, path: str, dtype: str) -> ModelConfig:

@@ -11,6 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdkv",
         description="pdkv: KV-cache transfer and lifecycle layer for disaggregated "
                     "prefill/decode serving.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_replay(sub)
     _add_bench(sub)
@@ -209,8 +210,7 @@ def _add_serving(sub) -> None:
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """Serving-config flags shared by ``run`` and ``bench serve`` (defaults: common/config.py)."""
     g = p.add_argument_group("serving config (defaults from common/config.py)")
-    g.add_argument("--config", metavar="FILE.json",
-                   help="JSON object of ServeConfig fields; flags below override it")
+    _add_config_source(g, "flags below override it")
     g.add_argument("--model", metavar="NAME|DIR",
                    help="a local checkpoint directory in the Hugging Face layout (config.json, "
                         "*.safetensors, tokenizer files; Llama, Qwen2, Mistral; never "
@@ -238,6 +238,14 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="deadline of every collective of a tensor-parallel group; a rank "
                         "silent this long takes its group down (default 30)")
     _add_spec_host_flags(p)
+
+
+def _add_config_source(g, note: str) -> None:
+    """``--config FILE.json`` and ``--config-json JSON``, the same on run, router, bench."""
+    g.add_argument("--config", metavar="FILE.json",
+                   help=f"a JSON file: an object of ServeConfig fields ({note})")
+    g.add_argument("--config-json", metavar="JSON",
+                   help="the same object given inline, e.g. '{\"page_size\": 32}'")
 
 
 def _add_spec_host_flags(p: argparse.ArgumentParser) -> None:
@@ -443,8 +451,7 @@ def _add_router(sub) -> None:
                                    "decode --router ADDR) and take its serving config.")
     p.add_argument("--bind", default="tcp://0.0.0.0:5555",
                    help="address to bind (default tcp://0.0.0.0:5555)")
-    p.add_argument("--config-json", metavar="JSON",
-                   help="ServeConfig fields as a JSON object (default: the embedded default)")
+    _add_config_source(p, "default: the embedded default")
     _add_metrics_flags(p)
     _add_log_level(p)
     p.set_defaults(func=_run_router)
@@ -619,8 +626,25 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse and run one command. A config error (a bad value in a flag or a config file,
+    a device this machine lacks) is one line on stderr and exit status 2, as argparse's."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from common.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"pdkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"pdkv {version('pdkv')}"
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "pdkv (not installed)"
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
           aborts: dict[str, float] | None = None, abort_after_tokens: dict[str, int] | None = None,
           check: Callable[[], None] | None = None,
           progress: Callable[[int, int], None] | None = None,
-          timeout_s: float = 600.0, lease_s: float = 10.0) -> dict[str, Result]:
+          timeout_s: float = 600.0, lease_s: float = 10.0,
+          into: dict[str, Result] | None = None) -> dict[str, Result]:
     """Send ``requests`` at their arrival times and wait for every result.
 
     Args:
@@ -80,12 +81,14 @@ def drive(client: Client, requests: list[WorkRequest], *, params: dict | None = 
         progress: called with (done, total) when a request completes.
         lease_s: the router silent this long (it is pinged meanwhile) is lost: every
             unfinished request ends with reason ``error`` (``router_lost`` says so).
+        into: the dict to fill with results as they arrive (the caller keeps what had
+            finished when ``check`` or the deadline raised); a new one when None.
     Raises:
         TimeoutError: not every request ended within ``timeout_s``.
     """
     run = client.ping(lease_s)       # the router incarnation these requests go to
     session = _Session(client, requests, params or {}, dict(aborts or {}),
-                       dict(abort_after_tokens or {}))
+                       dict(abort_after_tokens or {}), {} if into is None else into)
     deadline = session.t0 + timeout_s
     while session.done < len(requests):
         if time.monotonic() > deadline:
@@ -117,11 +120,13 @@ class _Session:
     """One ``drive`` call's state: what was sent, what came back, aborts still due."""
 
     def __init__(self, client: Client, requests: list[WorkRequest], params: dict,
-                 aborts: dict[str, float], after_tokens: dict[str, int]) -> None:
+                 aborts: dict[str, float], after_tokens: dict[str, int],
+                 results: dict[str, Result]) -> None:
         self.client, self.requests, self.params = client, requests, params
         self.aborts, self.after_tokens = aborts, after_tokens
-        self.results = {r.rid: Result(r.rid, len(r.prompt), r.max_new_tokens)
-                        for r in requests}
+        results.update({r.rid: Result(r.rid, len(r.prompt), r.max_new_tokens)
+                        for r in requests})
+        self.results = results
         self.t0 = time.monotonic()
         self.next_i = self.done = 0
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,13 +170,17 @@ class Cluster:
             return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self) -> Cluster:
-        """Start every process and wait for every ready signal (deadline from config)."""
+    def start(self, progress: Callable[[dict], None] | None = None) -> Cluster:
+        """Start every process and wait for every ready signal (deadline from config).
+
+        ``progress``, if given, is called about twice a second while waiting with
+        ``{"registered", "ready", "total", "elapsed_s"}`` (workers build their models
+        between registering and ready)."""
         try:
             for p in self.procs:
                 self._spawn(p)
             self.client = Client(self.router_addr, "launcher")
-            self._wait_ready()
+            self._wait_ready(progress=progress)
         except BaseException:
             self.stop()
             raise
@@ -204,8 +209,10 @@ class Cluster:
         """Wait until the router reports every worker (or ``names``) ready."""
         self._wait_ready(names)
 
-    def _wait_ready(self, names: set[str] | None = None) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
+    def _wait_ready(self, names: set[str] | None = None,
+                    progress: Callable[[dict], None] | None = None) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.config.ready_timeout_s
         want = names or {p.name for p in self.procs if p.role not in ("router", RANK)}
         while time.monotonic() < deadline:
             self.check()
@@ -215,6 +222,9 @@ class Cluster:
                 continue
             workers, self.metrics_url = status.workers, status.metrics_url
             ready = {n for n, w in workers.items() if w["ready"] and not w["lost"]}
+            if progress is not None:
+                progress({"registered": len(want & set(workers)), "ready": len(want & ready),
+                          "total": len(want), "elapsed_s": time.monotonic() - t0})
             if want <= ready:
                 logger.info("launcher: %d workers ready", len(want))
                 return

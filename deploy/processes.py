@@ -10,7 +10,6 @@ freed, free log closed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import socket
@@ -34,9 +33,11 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    if getattr(args, "config_json", None):
-        return ServeConfig.from_dict(json.loads(args.config_json))
-    return DEFAULT
+    """``--config FILE.json`` or ``--config-json JSON`` (as ``pdkv run``), else the default."""
+    from deploy.run import config_from_args
+
+    return config_from_args(args) if getattr(args, "config", None) or \
+        getattr(args, "config_json", None) else DEFAULT
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -49,6 +50,8 @@ def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
     from common.node import FreeLogFailed, RouterLost, TpSpec, run_follower
+    from deploy.run import check_devices
+    check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"
     try:
         tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s)

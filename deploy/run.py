@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
 
-from common.config import DEFAULT, ServeConfig, resolve_model
+from common.config import DEFAULT, ConfigError, ServeConfig, resolve_model
 from common.freelog import UnreadableLog, replay_file
 from deploy.driver import Result, drive, router_lost
 from deploy.launcher import Cluster, WorkerDied
@@ -19,24 +20,86 @@ from deploy.workload import WorkloadSpec, make_workload
 logger = logging.getLogger(__name__)
 
 
+_FLAG_FIELDS = ("dtype", "page_size", "prefill_pages", "decode_pages", "chunk_size",
+                "max_running", "transport", "debug_integrity", "spec_k", "offload",
+                "host_pages", "overcommit", "prefix_load_timeout_s", "prefill_tp",
+                "decode_tp", "tp_timeout_s")
+_FLAG_OF = {"model": "--model", "model_path": "--model", "draft_model_path": "--draft-model"}
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """The embedded default, then ``--config FILE.json``, then individual flags."""
+    """The embedded default, then ``--config FILE.json`` or ``--config-json JSON``, then
+    individual flags.
+
+    Raises:
+        ConfigError: a one-line message naming the file, field or flag and what is allowed.
+    """
     cfg = DEFAULT
-    if getattr(args, "config", None):
-        cfg = ServeConfig.from_dict({**DEFAULT.to_dict(),
-                                     **json.loads(Path(args.config).read_text())})
+    path, text = getattr(args, "config", None), getattr(args, "config_json", None)
+    if path and text:
+        raise ConfigError("give --config FILE.json or --config-json JSON, not both")
+    if path or text:
+        cfg = ServeConfig.from_dict({**DEFAULT.to_dict(), **load_config(path, text)})
+    flags = {name: getattr(args, name, None) for name in _FLAG_FIELDS}
+    try:
+        flags.update(resolve_model(getattr(args, "model", None)))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     draft = getattr(args, "draft_model", None)
-    return cfg.with_overrides(
-        **resolve_model(args.model), dtype=args.dtype, page_size=args.page_size,
-        draft_model_path=str(Path(draft).expanduser().resolve()) if draft else None,
-        spec_ngram=getattr(args, "spec_ngram", None),
-        prefill_pages=args.prefill_pages, decode_pages=args.decode_pages,
-        chunk_size=args.chunk_size, max_running=args.max_running, transport=args.transport,
-        debug_integrity=args.debug_integrity, spec_k=args.spec_k, offload=args.offload,
-        host_pages=args.host_pages, overcommit=args.overcommit,
-        prefix_load_timeout_s=getattr(args, "prefix_load_timeout_s", None),
-        prefill_tp=getattr(args, "prefill_tp", None), decode_tp=getattr(args, "decode_tp", None),
-        tp_timeout_s=getattr(args, "tp_timeout_s", None))
+    flags.update(draft_model_path=str(Path(draft).expanduser().resolve()) if draft else None,
+                 spec_ngram=getattr(args, "spec_ngram", None))
+    try:
+        return cfg.with_overrides(**flags)
+    except ConfigError as exc:
+        given = [n for n, v in flags.items()
+                 if v is not None and re.search(rf"\b{n}=", str(exc))]
+        flag = f" (from {_FLAG_OF.get(given[0], '--' + given[0].replace('_', '-'))})" \
+            if given else ""
+        raise ConfigError(f"{exc}{flag}") from None
+
+
+def load_config(path: str | None, text: str | None) -> dict:
+    """The JSON object of ``--config FILE.json`` or ``--config-json JSON``."""
+    where = f"--config {path}" if path else "--config-json"
+    try:
+        raw = Path(path).read_text() if path else text
+        obj = json.loads(raw)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column "
+                          f"{exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: must be a JSON object of ServeConfig fields, not "
+                          f"{type(obj).__name__}")
+    return obj
+
+
+def check_devices(devices: list[str]) -> None:
+    """Refuse devices this machine does not have, before any process starts.
+
+    Raises:
+        ConfigError: naming the device and what the machine has.
+    """
+    import torch
+
+    for dev in devices:
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, ValueError):
+            raise ConfigError(f"device {dev!r} is not a device; allowed: cpu, cuda, "
+                              "cuda:N") from None
+        if d.type == "cpu":
+            continue
+        if d.type != "cuda":
+            raise ConfigError(f"device {dev!r}: allowed: cpu, cuda, cuda:N")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {dev!r}: this machine has no usable CUDA device "
+                              "(torch.cuda.is_available() is False); use cpu")
+        count = torch.cuda.device_count()
+        if d.index is not None and d.index >= count:
+            raise ConfigError(f"device {dev!r}: this machine has {count} CUDA device(s), "
+                              f"cuda:0 to cuda:{count - 1}")
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -47,11 +110,13 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 
 def serve_workload(cluster: Cluster, spec: WorkloadSpec, progress: bool = False,
-                   aborts: dict[str, float] | None = None, params: dict | None = None
+                   aborts: dict[str, float] | None = None, params: dict | None = None,
+                   into: dict[str, Result] | None = None
                    ) -> tuple[dict[str, Result], dict, float]:
     """Run ``spec`` through a started cluster (``params``: extra sampling parameters of
     every request); returns (results, worker stats, wall s). Stops the cluster (clean
-    shutdown) before returning."""
+    shutdown) before returning. ``into`` keeps the results that had arrived when a worker
+    died (``WorkerDied``) or the deadline passed."""
     requests = make_workload(spec, cluster.config.model_config().vocab_size)
     show = _progress_line if progress else None
     t0 = time.monotonic()
@@ -59,7 +124,7 @@ def serve_workload(cluster: Cluster, spec: WorkloadSpec, progress: bool = False,
         results = drive(cluster.client, requests, params=params, aborts=aborts,
                         check=cluster.check,
                         progress=show, timeout_s=cluster.config.request_timeout_s,
-                        lease_s=cluster.config.lease_s)
+                        lease_s=cluster.config.lease_s, into=into)
     finally:
         if progress:
             sys.stderr.write("\n")
@@ -128,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     spec = workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    check_devices(devices)
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
                       threads=args.threads, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host)
@@ -136,16 +202,21 @@ def main(args: argparse.Namespace) -> int:
     if max(cfg.prefill_tp, cfg.decode_tp) > 1:
         layout += f" (TP {cfg.prefill_tp}/{cfg.decode_tp})" if args.mode == "disagg" else \
             f" (TP{cfg.decode_tp})"
+    results: dict[str, Result] = {}
     try:
-        cluster.start()
+        cluster.start(progress=_starting_line if progress else None)
         if cluster.metrics_url:
-            print(f"pdkv run: metrics at {cluster.metrics_url}", file=sys.stderr)
+            print(f"\npdkv run: metrics at {cluster.metrics_url}", file=sys.stderr)
         if progress:
-            sys.stderr.write(f"pdkv run: {layout} ready, sending {spec.requests} requests\n")
-        results, stats, wall = serve_workload(cluster, spec, progress)
+            sys.stderr.write(f"\npdkv run: {layout} ready, sending {spec.requests} requests\n")
+        results, stats, wall = serve_workload(cluster, spec, progress, into=results)
     except (WorkerDied, TimeoutError) as exc:
         cluster.stop()
-        print(f"pdkv run: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
+        _write_output(args, results)
+        finished = sum(1 for r in results.values() if r.reason)
+        print(f"pdkv run: FAILED: {exc}\n  logs: {cluster.log_dir}" + (
+            f"\n  {finished} finished request(s) written to {args.output}"
+            if args.output else ""), file=sys.stderr)
         return 2
     code = _report(args, results, summarize(results, stats, wall), cluster.freelogs(),
                    layout, cluster.log_dir, stats)
@@ -154,19 +225,31 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
+def _starting_line(state: dict) -> None:
+    """Progress while the deployment starts: who registered, who is ready (built)."""
+    sys.stderr.write(f"\r  starting: {state['registered']}/{state['total']} workers "
+                     f"registered, {state['ready']}/{state['total']} ready "
+                     f"(building models), {state['elapsed_s']:.0f} s ")
+    sys.stderr.flush()
+
+
 def _attach(args: argparse.Namespace, progress: bool) -> int:
-    """``--router ADDR``: drive the workload through a running deployment."""
+    """``--router ADDR``: drive the workload through a running deployment.
+
+    The summary covers this run only: figures come from this run's requests; figures
+    that need the workers' counters (which span the deployment's lifetime) say n/a."""
     from deploy.client import Client
 
     client = Client(args.router, "pdkv-run")
+    results: dict[str, Result] = {}
     try:
         status = client.status(10.0)
         workers = status.workers
         cfg = ServeConfig.from_dict(status.config)
         requests = make_workload(workload_from_args(args), cfg.model_config().vocab_size)
         t0 = time.monotonic()
-        results = drive(client, requests, progress=_progress_line if progress else None,
-                        lease_s=cfg.lease_s)
+        drive(client, requests, progress=_progress_line if progress else None,
+              lease_s=cfg.lease_s, into=results)
         wall = time.monotonic() - t0
         if lost := router_lost(results):
             _write_output(args, results)
@@ -174,14 +257,25 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
             return 2
         stats = client.shutdown() if args.shutdown else {}
     except TimeoutError as exc:
+        _write_output(args, results)
         print(f"pdkv run: FAILED: {exc}", file=sys.stderr)
         return 2
     finally:
         client.close()
     logs = sorted(Path(args.log_dir).glob("*.freelog")) if args.log_dir and args.shutdown \
         else []
-    return _report(args, results, summarize(results, stats, wall), logs,
-                   f"{len(workers)} workers at {args.router}", args.log_dir or "", stats)
+    summary = summarize(results, {}, wall, this_run_only=True)
+    return _report(args, results, summary, logs, f"{len(workers)} workers at {args.router}",
+                   args.log_dir or "", stats)
+
+
+def _write_output(args: argparse.Namespace, results: dict[str, Result]) -> None:
+    """``--output``: one JSON line per request that ended (all of them after a full run)."""
+    if args.output:
+        with open(args.output, "w") as f:
+            for rid in sorted(results):
+                if results[rid].reason:
+                    f.write(json.dumps(results[rid].to_json()) + "\n")
 
 
 def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
@@ -207,11 +301,3 @@ def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
         print(f"pdkv run: {why}; logs kept in {log_dir}", file=sys.stderr)
         return 1
     return 0
-
-
-def _write_output(args: argparse.Namespace, results: dict[str, Result]) -> None:
-    """``--output``: one JSON line per request (the finished ones and why others ended)."""
-    if args.output:
-        with open(args.output, "w") as f:
-            for rid in sorted(results):
-                f.write(json.dumps(results[rid].to_json()) + "\n")

@@ -12,7 +12,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(results: dict[str, Result], stats: dict, wall_s: float,
-              ttft_target: float = 1.0, tpot_target: float = 0.1) -> dict:
+              ttft_target: float = 1.0, tpot_target: float = 0.1,
+              this_run_only: bool = False) -> dict:
     """Summary of a run.
 
     Args:
@@ -20,7 +21,12 @@ def summarize(results: dict[str, Result], stats: dict, wall_s: float,
         stats: the workers' final stats (``Cluster.stop``).
         wall_s: first submission to last result.
         ttft_target, tpot_target: goodput counts requests meeting both (seconds).
+        this_run_only: the workers served before this run (``pdkv run --router``): their
+            counters span the deployment's lifetime, so only this run's requests count and
+            the figures that need worker counters are ``None`` (printed as n/a).
     """
+    if this_run_only:
+        stats = {}
     ok = [r for r in results.values() if r.ok]
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if len(r.output_ids) > 1]
@@ -42,11 +48,16 @@ def summarize(results: dict[str, Result], stats: dict, wall_s: float,
         "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
         "kv_transfer_share_of_ttft_p50": pct(xfer_share, 50),
         "kv_bytes": kv_bytes, "kv_stream_busy_s": busy,
-        "kv_gb_per_s": kv_bytes / busy / 1e9 if busy > 0 else 0.0,
+        "kv_gb_per_s": None if this_run_only else (kv_bytes / busy / 1e9 if busy > 0 else 0.0),
+        "this_run_only": this_run_only,
         "goodput_rps": len(good) / wall_s if wall_s > 0 else 0.0,
         "ttft_target_s": ttft_target, "tpot_target_s": tpot_target,
-        **spec_and_host(stats),
+        **(dict.fromkeys(_COUNTER_FIGURES) if this_run_only else spec_and_host(stats)),
     }
+
+
+_COUNTER_FIGURES = ("acceptance_rate", "mean_accepted_len", "offloaded_pages",
+                    "prefix_hit_pages", "prefix_hit_pages_prefill", "retracted")
 
 
 def spec_and_host(stats: dict) -> dict:
@@ -74,12 +85,18 @@ def format_summary(s: dict, mode: str, layout: str) -> str:
         f"  TPOT          p50 {s['tpot_p50_ms']:.1f} ms   p99 {s['tpot_p99_ms']:.1f} ms",
         f"  throughput    {s['tokens_per_s']:.1f} output tokens/s ({s['output_tokens']} tokens)",
     ]
+    rate = "" if s["kv_gb_per_s"] is None else f", {s['kv_gb_per_s']:.3f} GB/s while streaming"
     if s["kv_bytes"]:
-        lines.append(f"  KV moved      {s['kv_bytes'] / 1e6:.2f} MB, {s['kv_gb_per_s']:.3f} GB/s "
-                     f"while streaming; transfer tail p50 "
+        lines.append(f"  KV moved      {s['kv_bytes'] / 1e6:.2f} MB{rate}; transfer tail p50 "
                      f"{s['kv_transfer_share_of_ttft_p50']:.1%} of TTFT")
+    elif s.get("this_run_only"):
+        lines.append("  KV moved      0 B reported by this run's requests")
     else:
         lines.append("  KV moved      0 B (colocated: no transfer)")
+    if s.get("this_run_only"):
+        lines.append("  speculation   n/a, host tier n/a (attached: the workers' counters "
+                     "span the deployment's lifetime, not this run)")
+        return "\n".join(lines)
     lines.append(f"  speculation   acceptance {s['acceptance_rate']:.2f}, mean accepted "
                  f"length {s['mean_accepted_len']:.2f} tokens/step")
     lines.append(f"  host tier     {s['offloaded_pages']} pages offloaded, "
