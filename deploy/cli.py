@@ -84,8 +84,13 @@ def _add_replay(sub) -> None:
                    help="print one machine-readable JSON report (ok, exit_code, per log: "
                         "pools stats, warnings, violations) instead of the summary")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="write pages in use per pool over time to FILE.png "
-                        "(needs matplotlib: pip install 'pdkv[plot]')")
+                   help="draw FILE.png: per log and pool, pages by state (owned, pinned, "
+                        "pending) stacked against capacity; frees by reason over time; one "
+                        "time axis for all logs (needs matplotlib: pip install "
+                        "'pdkv[plot]')")
+    p.add_argument("--request", metavar="RID",
+                   help="with --plot: add a panel of request RID's pages (held, pinned, "
+                        "its frees by reason) in every log where it appears")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: only when stderr is a terminal)")
     p.add_argument("--max-violations", type=int, default=50, metavar="N",

@@ -1,4 +1,4 @@
-"""``pdkv replay`` on the command line: reports, ``--json`` and ``--plot``."""
+"""``pdkv replay`` on the command line: reports, ``--json``, ``--plot`` and ``--request``."""
 
 from __future__ import annotations
 
@@ -12,28 +12,12 @@ from common.freelog.replay import replay_file
 from common.freelog.report import ReplayReport, combined_exit
 
 
-def plot_reports(reports: list[ReplayReport], out: str) -> None:
-    """Pages in use per pool over time, one panel per log (needs matplotlib)."""
-    import matplotlib
+def plot_logs(paths: list[str], out: str, request: str | None = None) -> None:
+    """Read each readable log's timeline and draw them (``common.freelog.plot``)."""
+    from common.freelog.plot import write_plot
+    from common.freelog.timeline import build_timeline
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [r for r in reports if r.samples]
-    fig, axes = plt.subplots(max(len(shown), 1), 1, squeeze=False,
-                             figsize=(9, 3 * max(len(shown), 1)))
-    for ax, r in zip(axes[:, 0], shown):
-        for name, st in r.pools.items():
-            line, = ax.plot(r.samples["t_s"], r.samples[name], label=f"{name} in use")
-            ax.axhline(st["capacity"], color=line.get_color(), linestyle=":",
-                       label=f"{name} capacity")
-        ax.set_title(f"{os.path.basename(r.path)} ({r.node})")
-        ax.set_xlabel("seconds since the log started")
-        ax.set_ylabel("pages")
-        ax.legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    write_plot([build_timeline(p, request) for p in paths], out, request)
 
 
 def expand_logs(paths: list[str]) -> list[str]:
@@ -55,7 +39,11 @@ def main(args) -> int:
     (or a plot that cannot be made), 3 a log with lost events (incomplete); with several
     logs the most severe in the order 2, 1, 3, 0.
     """
-    plot = getattr(args, "plot", None)
+    plot, request = getattr(args, "plot", None), getattr(args, "request", None)
+    if request is not None and not plot:
+        print("pdkv replay: --request RID draws into the plot; give --plot FILE.png too",
+              file=sys.stderr)
+        return 2
     if plot and not _have_matplotlib():
         print("pdkv replay: --plot needs matplotlib; install it with "
               "pip install 'pdkv[plot]'", file=sys.stderr)
@@ -67,7 +55,7 @@ def main(args) -> int:
         try:
             if os.path.isdir(path):
                 raise UnreadableLog(f"{path}: a folder without *.freelog files")
-            report = replay_file(path, samples=bool(plot), progress=show)
+            report = replay_file(path, progress=show)
         except UnreadableLog as exc:
             report = ReplayReport(path=os.fspath(path), error=str(exc))
         reports.append(report)
@@ -78,8 +66,8 @@ def main(args) -> int:
         print(json.dumps({"ok": status == 0, "exit_code": status,
                           "logs": [r.to_dict() for r in reports]}, indent=2))
     if plot:
-        plot_reports([r for r in reports if r.error is None], plot)
-        print(f"occupancy plot written to {plot}", file=sys.stderr)
+        plot_logs([r.path for r in reports if r.error is None], plot, request)
+        print(f"plot written to {plot}", file=sys.stderr)
     return status
 
 

@@ -47,7 +47,6 @@ SMALL_EVENT = 256
 # IndexError like any other out-of-range id; the hot loop then needs no range check.
 _UNPACK = {n: struct.Struct(f"<{n}I").unpack for n in range(SMALL_EVENT + 1)}
 CHECK_EVERY = 1 << 16  # events between checkpoints (progress, owner-table compaction)
-MAX_SAMPLES = 2048  # occupancy samples kept for --plot (halved by max when full)
 MAX_STORED_VIOLATIONS = 1000
 
 
@@ -103,7 +102,7 @@ def _signed(pages) -> list[int]:
 class Replayer:
     """Replays one free log. Use :func:`replay_file` unless you stream records yourself."""
 
-    def __init__(self, reader: FreeLogReader, *, samples: bool = False,
+    def __init__(self, reader: FreeLogReader, *,
                  progress: ProgressBar | None = None,
                  max_violations: int = MAX_STORED_VIOLATIONS):
         self.reader = reader
@@ -116,9 +115,6 @@ class Replayer:
         self._gap_seq: int | None = None  # seq of the first lost marker: judging stopped
         self._max_violations = max_violations
         self._progress = progress
-        self._samples: dict[str, list] | None = (
-            {"t_s": [], **{name: [] for name in self.pools}} if samples else None)
-        self._stride = 1 if samples else CHECK_EVERY
         self._next_heavy = CHECK_EVERY
         self._checkpoint_offset = reader.offset()
         self._handlers = {"alloc": self._alloc, "free": self._free, "pin": self._pin,
@@ -141,7 +137,7 @@ class Replayer:
     def _loop(self) -> int:
         pools, handlers, unpack = self.pools, self._handlers, _UNPACK
         seq_next = count = 0
-        check_at = self._stride
+        check_at = CHECK_EVERY
         expect_release = False  # the previous event was an unpin that dropped pages
         try:
             for count, ev in enumerate(self.reader.records, 1):
@@ -684,22 +680,7 @@ class Replayer:
                 self._progress.update(self._checkpoint_offset, count)
             if len(self._owner_names) > 4 * sum(p.capacity for p in self.pools.values()):
                 self._compact_owners()
-        if self._samples is not None:
-            self._sample(ev.get("t_ns", count))
-        return self._stride
-
-    def _sample(self, t_ns: Any) -> None:
-        s = self._samples
-        s["t_s"].append(t_ns / 1e9 if isinstance(t_ns, int) else 0.0)
-        for name, ps in self.pools.items():
-            s[name].append(ps.in_use)
-        if len(s["t_s"]) >= MAX_SAMPLES:
-            # Halve: keep each pair's later time and its larger occupancy.
-            s["t_s"] = s["t_s"][1::2]
-            for name in self.pools:
-                col = s[name]
-                s[name] = [max(a, b) for a, b in zip(col[::2], col[1::2])]
-            self._stride *= 2
+        return CHECK_EVERY
 
     def _finish(self, corrupt: str | None) -> None:
         report = self.report
@@ -724,8 +705,6 @@ class Replayer:
             report.warnings.append(
                 f"no close event: the process did not shut down cleanly (killed?); "
                 f"{held} page(s) in use and {pins} live pin(s) at the end are not judged")
-        if self._samples is not None:
-            report.samples = self._samples
         report.pools = {name: ps.stats() for name, ps in self.pools.items()}
 
 
@@ -745,14 +724,13 @@ def _short_repr(obj: Any, limit: int = 120) -> str:
 
 
 # -- the public entry points ---------------------------------------------------------------
-def replay_file(path: str | os.PathLike, *, samples: bool = False,
+def replay_file(path: str | os.PathLike, *,
                 progress: bool = False,
                 max_violations: int = MAX_STORED_VIOLATIONS) -> ReplayReport:
     """Replay one free log and return its report (``report.ok`` when it is clean).
 
     Args:
         path: the free log.
-        samples: keep about ``MAX_SAMPLES`` occupancy samples (``report.samples``).
         progress: draw a progress bar on stderr.
         max_violations: how many violations to keep in the report (all are counted).
 
@@ -763,7 +741,7 @@ def replay_file(path: str | os.PathLike, *, samples: bool = False,
         label = f"replay {os.path.basename(reader.path)}"
         bar = ProgressBar(label, reader.size) if progress else None
         try:
-            return Replayer(reader, samples=samples, progress=bar,
+            return Replayer(reader, progress=bar,
                             max_violations=max_violations).run()
         finally:
             if bar is not None:

@@ -54,7 +54,6 @@ class ReplayReport:
     violations: list[Violation] = field(default_factory=list)  # the first MAX_STORED
     num_violations: int = 0
     violations_by_kind: dict[str, int] = field(default_factory=dict)
-    samples: dict[str, Any] | None = None  # t_s and in-use pages per pool, for --plot
     error: str | None = None  # set when the log was unreadable
     seconds: float = 0.0
     gaps: list[dict[str, Any]] = field(default_factory=list)  # lost markers: seq, count, error
