@@ -45,10 +45,14 @@ def max_tokens(workers: Iterable[WorkerInfo]) -> int:
     workers = list(workers)
     decodes = live(workers, "decode", "colocated")
     if not decodes:
-        paused = [f"{w.name} ({w.paused})" for w in workers if w.paused and not w.lost]
-        raise BadRequest("no decode or colocated worker is ready" + (
-            f"; not admitting: {', '.join(paused)}" if paused else ""))
+        raise BadRequest("no decode or colocated worker is ready" + _paused(workers))
     return max(w.pool_tokens for w in decodes)
+
+
+def _paused(workers: list[WorkerInfo]) -> str:
+    """``; not admitting: decode0 (free log ...: EFBIG ...)`` for paused workers, or ''."""
+    paused = [f"{w.name} ({w.paused})" for w in workers if w.paused and not w.lost]
+    return f"; not admitting: {', '.join(paused)}" if paused else ""
 
 
 def pick(workers: Iterable[WorkerInfo], prompt_len: int, row_len: int
@@ -63,7 +67,8 @@ def pick(workers: Iterable[WorkerInfo], prompt_len: int, row_len: int
         return decode, None
     prefills = [w for w in live(workers, "prefill") if w.pool_tokens >= prompt_len]
     if not prefills:
-        raise BadRequest(f"no ready prefill worker can hold a {prompt_len}-token prompt")
+        raise BadRequest(f"no ready prefill worker can hold a {prompt_len}-token prompt"
+                         + _paused([w for w in workers if w.role == "prefill"]))
     return decode, min(prefills, key=lambda w: (w.assigned, w.name))
 
 

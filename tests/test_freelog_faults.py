@@ -397,3 +397,19 @@ def test_free_log_config_fields_are_validated(field, value, words):
     with pytest.raises(ValueError, match=re.escape(f"{field}=")) as exc:
         ServeConfig(**{field: value})
     assert words in str(exc.value)
+
+
+def test_the_router_routes_around_a_paused_worker_and_names_it():
+    from common.request import BadRequest
+    from deploy.placement import WorkerInfo, max_tokens, pick
+
+    why = "free log /logs/decode0.freelog: failing for 2.0s: ENOSPC (No space left on device)"
+    d0 = WorkerInfo("decode0", "decode", b"a", ready=True, pool_tokens=4096, paused=why)
+    d1 = WorkerInfo("decode1", "decode", b"b", ready=True, pool_tokens=4096, assigned=3000)
+    p0 = WorkerInfo("prefill0", "prefill", b"c", ready=True, pool_tokens=4096)
+    assert pick([d0, d1, p0], 10, 20) == (d1, p0)  # d0 is idle but paused
+    with pytest.raises(BadRequest, match=r"not admitting: decode0 \(free log .*ENOSPC"):
+        max_tokens([d0, p0])
+    p0.paused = why.replace("decode0", "prefill0")
+    with pytest.raises(BadRequest, match=r"prefill worker .*not admitting: prefill0"):
+        pick([d1, p0], 10, 20)
