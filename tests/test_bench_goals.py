@@ -83,13 +83,6 @@ def test_bench_replay_prints_baseline_ratio_and_exits_by_its_goals():
     assert "bare msgpack decode:" in text.stdout
 
 
-@pytest.mark.parametrize("module", ["benchmarks.replay"])
-def test_bench_modules_run_with_python_m(module):
-    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)
-    assert out.returncode == 0 and "--report-only" in out.stdout, out.stderr
-
-
 def test_bench_allocator_quick_reports_the_torch_baseline():
     out = _bench("allocator", "--quick", "--repeats", "1", "--json", "--report-only")
     assert out.returncode == 0, out.stderr

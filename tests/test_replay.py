@@ -415,30 +415,45 @@ def test_seqs_after_a_gap_must_resume_at_seq_plus_count(tmp_path):
     assert report.lost_events == 5 and [g["seq"] for g in report.gaps] == [1, 6]
 
 
-def test_cli_exit_3_for_incomplete_and_severity_across_logs(tmp_path):
+def _run(capsys, *logs, json_out: bool = False) -> tuple[int, str]:
+    """``pdkv replay`` in process (the subprocess path is covered above): status, stdout."""
+    code = main(_args(*logs, json=json_out))
+    return code, capsys.readouterr().out
+
+
+def test_cli_exit_3_for_incomplete_and_severity_across_logs(tmp_path, capsys):
     clean = write_log(tmp_path / "a.freelog", [alloc("r", 1), free("r", 1), close()])
     partial = write_log(tmp_path / "b.freelog", [alloc("r", 1), lost(1, 4),
                                                  {**close(), "seq": 5}])
     dirty = write_log(tmp_path / "c.freelog", [alloc("r", 1), close()])
-    assert _cli(str(clean), str(partial)).returncode == 3
-    assert _cli(str(partial), str(dirty)).returncode == 1
-    assert _cli(str(partial), str(tmp_path / "missing.freelog")).returncode == 2
-    doc = json.loads(_cli("--json", str(partial)).stdout)
+    assert _run(capsys, clean, partial)[0] == 3
+    assert _run(capsys, partial, dirty)[0] == 1
+    assert _run(capsys, partial, tmp_path / "missing.freelog")[0] == 2
+    code, out = _run(capsys, partial, json_out=True)
+    doc = json.loads(out)
     log = doc["logs"][0]
-    assert (doc["ok"], doc["exit_code"], log["ok"], log["incomplete"]) == (False, 3, False, True)
-    assert log["lost_events"] == 4 and log["gaps"][0]["seq"] == 1
-    out = _cli(str(partial))
-    assert "INCOMPLETE" in out.stdout and "OK" not in out.stdout.split("\n")[-2]
+    assert (code, doc["ok"], doc["exit_code"]) == (3, False, 3)
+    assert (log["ok"], log["incomplete"], log["lost_events"]) == (False, True, 4)
+    assert log["gaps"][0]["seq"] == 1
+    text = _run(capsys, partial)[1].strip().splitlines()
+    assert text[-1] == "  INCOMPLETE (not proven clean)" and "INCOMPLETE: 4 event(s)" in text[-2]
 
 
-def test_cli_replays_every_incarnation_in_a_folder(tmp_path):
+def test_cli_exit_3_in_a_real_process(tmp_path):
+    partial = write_log(tmp_path / "b.freelog", [alloc("r", 1), lost(1, 4),
+                                                 {**close(), "seq": 5}])
+    assert _cli(str(partial)).returncode == 3
+
+
+def test_cli_replays_every_incarnation_in_a_folder(tmp_path, capsys):
     for name in ("decode0.freelog", "decode0.1.freelog", "prefill0.freelog"):
         write_log(tmp_path / name, [alloc("r", 1), free("r", 1), close()])
     (tmp_path / "decode0.log").write_text("not a free log")
-    out = _cli("--json", str(tmp_path))
-    assert out.returncode == 0, out.stdout
-    assert [Path(log["log"]).name for log in json.loads(out.stdout)["logs"]] == [
+    code, out = _run(capsys, tmp_path, json_out=True)
+    assert code == 0, out
+    assert [Path(log["log"]).name for log in json.loads(out)["logs"]] == [
         "decode0.1.freelog", "decode0.freelog", "prefill0.freelog"]
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert _cli(str(empty)).returncode == 2
+    code, out = _run(capsys, empty)
+    assert code == 2 and "a folder without *.freelog files" in out
