@@ -378,17 +378,20 @@ def test_lost_events_make_a_log_incomplete_and_never_clean(tmp_path):
     report = replay(tmp_path, [
         alloc("req-1", 1),                                # seq 0, judged
         lost(1, 5),                                       # seqs 1..5 never written
-        {**free("req-1", 1), "seq": 6},                   # read, not judged
-        {**alloc("req-2", 1), "seq": 7},                  # would look like a double alloc
-        {**close(), "seq": 8},
+        {**free("req-1", 1), "seq": 6},                   # page 1: unknown -> free
+        {**alloc("req-2", 1), "seq": 7},                  # free -> owned: fine
+        {**free("req-2", 1), "seq": 8},
+        {**close(), "seq": 9},
     ])
     assert report.incomplete and not report.ok and report.exit_code == 3
     assert report.num_violations == 0, report.format()
-    assert report.lost_events == 5 and report.unjudged_events == 2
+    assert report.lost_events == 5 and report.judged_after_gap == 3
+    assert report.unknown_pages_at_end == 14  # 15 allocatable, page 1 seen again
     assert report.gaps == [{"seq": 1, "count": 5, "error": "ENOSPC (No space left on device)"}]
-    assert report.closed and report.close_seq == 8
+    assert report.closed and report.close_seq == 9
     text = report.format()
     assert "INCOMPLETE: 5 event(s) lost in 1 gap(s), the first at seq 1" in text
+    assert "3 event(s) after it judged from what they show" in text
     assert text.endswith("INCOMPLETE (not proven clean)")
 
 
@@ -457,3 +460,164 @@ def test_cli_replays_every_incarnation_in_a_folder(tmp_path, capsys):
     empty.mkdir()
     code, out = _run(capsys, empty)
     assert code == 2 and "a folder without *.freelog files" in out
+
+
+# -- after a gap: judged from what the log shows again (aftergap.py) -------------------------
+def test_after_a_gap_a_double_free_is_still_caught(tmp_path):
+    report = replay(tmp_path, [alloc("r1", 1, 2), lost(1, 10),
+                               {**alloc("r2", 3), "seq": 11},       # unknown -> owned
+                               {**free("r2", 3), "seq": 12},
+                               {**free("r2", 3), "seq": 13},        # known free: double
+                               {**close(), "seq": 14}])
+    assert report.violations_by_kind == {"double-free": 1} and report.exit_code == 1
+    v = report.violations[0]
+    assert (v.seq, v.page, v.owner) == (13, 3, "r2") and "after the gap" in v.message
+
+
+def test_after_a_gap_pages_learnt_again_are_not_judged_by_their_old_state(tmp_path):
+    report = replay(tmp_path, [
+        alloc("r1", 1, 2), pin(7, 1),
+        lost(2, 6),                                   # r1 freed 1-2, pin 7 ended: lost
+        {**alloc("r2", 1), "seq": 8},                 # was owned by r1: now r2's
+        {**free("r9", 5), "seq": 9},                  # its alloc was lost: fine
+        {**pin(8, 5), "seq": 10},                     # freed, pins unknown: not judged
+        {**unpin(7, 1), "seq": 11},                   # a stale pin: not judged
+        {**release(1, 5), "seq": 12},                 # frees what it lists after it
+        {**unpin(8, 5), "seq": 13},
+        {**free("r2", 1), "seq": 14},                 # r2 no longer holds page 1? it does
+        {**close(), "seq": 15},
+    ])
+    assert report.num_violations == 0 and report.exit_code == 3, report.format()
+
+
+def test_after_a_gap_a_leak_of_a_page_seen_again_is_judged(tmp_path):
+    report = replay(tmp_path, [alloc("r1", 1), lost(1, 2), {**alloc("r2", 4, 5), "seq": 3},
+                               {**close(), "seq": 4}])
+    assert report.violations_by_kind == {"leak": 1}
+    assert report.violations[0].owner == "r2" and report.violations[0].pages == [4, 5]
+    assert report.unknown_pages_at_end == 13  # page 1 (r1's before the gap) is not a leak
+
+
+def test_after_a_gap_a_missing_release_of_a_known_pin_is_caught(tmp_path):
+    report = replay(tmp_path, [lost(0, 3), {**alloc("r", 2), "seq": 3},
+                               {**pin(4, 2), "seq": 4}, {**free("r", 2), "seq": 5},
+                               {**unpin(4, 2), "seq": 6}, {**alloc("s", 3), "seq": 7},
+                               {**free("s", 3), "seq": 8}, {**close(), "seq": 9}])
+    assert report.violations_by_kind == {"missing-release": 1}, report.format()
+
+
+def _kv_workload(path: Path, seed: int, steps: int = 400) -> str:
+    """A real KvCache driven at random: rows, pins across frees, handoffs to a cache."""
+    import random
+
+    from common import KvCache
+
+    rng, cache = random.Random(seed), KvCache(48, 4, log_path=path, node="d", max_rows=16)
+    rows: dict[str, object] = {}
+    pins: list[int] = []
+    cached: list[np.ndarray] = []
+    for step in range(steps):
+        action = rng.random()
+        if action < 0.3 and len(rows) < 12 and cache.num_free_pages() > 4:
+            kv = rows[f"r{step}"] = cache.open_row(f"r{step}")
+            cache.extend(kv, rng.randint(1, 12))
+        elif action < 0.45 and rows:
+            kv = rng.choice(list(rows.values()))
+            if kv.allocated_len > kv.protected_len:
+                pins.append(cache.pin(kv, kv.protected_len, kv.allocated_len,
+                                      reason="send"))
+        elif action < 0.6 and pins:
+            cache.unpin(pins.pop(rng.randrange(len(pins))))
+        elif action < 0.7 and rows and cache.num_free_pages() > 2:
+            kv = rng.choice(list(rows.values()))
+            if kv.allocated_len % 4 == 0 or cache.num_free_pages() > 3:
+                cache.extend(kv, rng.randint(1, 6))
+        elif action < 0.78 and rows:
+            kv = rng.choice(list(rows.values()))
+            if kv.allocated_len >= 4 and kv.protected_len == 0:
+                cached.append(cache.pages(kv, 0, 4))
+                cache.handoff(kv, 4, "cache:p")
+        elif action < 0.95 and rows:
+            owner = rng.choice(list(rows))
+            kv = rows.pop(owner)
+            cache.free_kv_row(kv, [(kv.protected_len, kv.allocated_len)],
+                              reason=rng.choice(["finished", "aborted", "sent"]))
+            cache.close_row(kv)
+        elif cached:
+            cache.free_pages("cache:p", cached.pop(0), reason="evicted")
+    for pin_id in pins:
+        cache.unpin(pin_id)
+    for kv in rows.values():
+        cache.free_kv_row(kv, [(kv.protected_len, kv.allocated_len)], reason="finished")
+        cache.close_row(kv)
+    for pages in cached:
+        cache.free_pages("cache:p", pages, reason="evicted")
+    cache.close()
+    return cache.free_log.path
+
+
+def _cut(src: str, dst: Path, cuts: list[tuple[int, int]], extra: list[int] = ()) -> Path:
+    """Copy a log with events [a, b) of each cut replaced by one lost marker; events whose
+    index is in ``extra`` are written twice (a bug replay must still see)."""
+    with open(src, "rb") as f:
+        header, *events = list(msgpack.Unpacker(f, raw=False))
+    packer = msgpack.Packer(use_bin_type=True)
+    with open(dst, "wb") as out:
+        out.write(packer.pack(header))
+        i = 0
+        while i < len(events):
+            cut = next(((a, b) for a, b in cuts if a == i), None)
+            if cut is not None:
+                out.write(packer.pack({"seq": events[i]["seq"], "t_ns": events[i]["t_ns"],
+                                       "op": "lost", "pool": "", "pages": b"",
+                                       "count": cut[1] - cut[0], "error": "cut"}))
+                i = cut[1]
+                continue
+            out.write(packer.pack(events[i]))
+            if i in extra:  # the same event again, renumbered so seqs stay continuous
+                break
+            i += 1
+    return dst
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_correct_log_with_any_stretch_cut_out_has_no_violation(tmp_path, seed):
+    import random
+
+    path = _kv_workload(tmp_path / "full.freelog", seed)
+    assert replay_file(path).ok
+    with open(path, "rb") as f:
+        num_events = sum(1 for _ in msgpack.Unpacker(f, raw=False)) - 2  # header, close
+    rng = random.Random(seed)
+    for trial in range(40):
+        a = rng.randrange(num_events)
+        b = min(num_events, a + rng.randint(1, 60))
+        cuts = [(a, b)]
+        if trial % 3 == 0 and b + 5 < num_events:  # two gaps
+            c = rng.randrange(b + 1, num_events)
+            cuts.append((c, min(num_events, c + rng.randint(1, 20))))
+        report = replay_file(_cut(path, tmp_path / f"cut{trial}.freelog", cuts))
+        assert report.num_violations == 0, (cuts, report.format())
+        assert report.exit_code == 3 and report.lost_events == sum(b - a for a, b in cuts)
+
+
+def test_a_real_double_free_after_a_cut_is_caught(tmp_path):
+    path = _kv_workload(tmp_path / "full.freelog", 5)
+    with open(path, "rb") as f:
+        header, *events = list(msgpack.Unpacker(f, raw=False))
+    # a free late in the log, after a gap early on: write it twice
+    k = max(i for i, ev in enumerate(events) if ev["op"] == "free" and ev["pool"] == "full"
+            and i > 20)
+    bad = events[:k + 1] + [{**events[k], "seq": events[k]["seq"] + 1}] + [
+        {**ev, "seq": ev["seq"] + 1} for ev in events[k + 1:]]
+    packer = msgpack.Packer(use_bin_type=True)
+    dst = tmp_path / "bad.freelog"
+    with open(dst, "wb") as out:
+        out.write(packer.pack(header))
+        out.write(packer.pack({"seq": 0, "t_ns": 0, "op": "lost", "pool": "", "pages": b"",
+                               "count": 10, "error": "cut"}))
+        for ev in bad[10:]:
+            out.write(packer.pack(ev))
+    report = replay_file(dst)
+    assert report.violations_by_kind.get("double-free", 0) >= 1, report.format()
+    assert report.exit_code == 1

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from common.freelog.aftergap import AfterGap
 from common.freelog.progress import ProgressBar
 from common.freelog.reader import DECODE_ERRORS, FreeLogReader, PoolInfo
 from common.freelog.report import ReplayReport, Violation
@@ -579,8 +580,8 @@ class Replayer:
     def _lost(self, ev: dict, seq: int) -> int:
         """A ``lost`` marker: ``count`` events from ``seq`` on never reached the file.
 
-        What they did to pages and pins is unknown, so judging stops here (the state before
-        the gap was judged; ``_after_gap`` only reads on). Returns the next seq due."""
+        What they did to pages and pins is unknown: from here on ``AfterGap`` judges each
+        page again from what the log shows next. Returns the next seq due."""
         count = ev.get("count")
         if type(count) is not int or count < 0:
             self._violate(seq, "malformed-event", "", f"lost marker with a bad count: "
@@ -596,38 +597,8 @@ class Replayer:
         self.report.lost_events += count
 
     def _after_gap(self, seq_next: int) -> int:
-        """Read the rest of the log after a gap: count it, check the seqs, note more
-        gaps and the close, judge nothing else. Returns how many records it read."""
-        count = 0
-        for ev in self.reader.records:
-            count += 1
-            seq = ev.get("seq") if isinstance(ev, dict) else None
-            op = ev.get("op") if isinstance(ev, dict) else None
-            if type(seq) is not int:
-                self._violate(seq_next, "malformed-event", "", f"record after the gap is not "
-                              f"an event map with an int seq: {_short_repr(ev)}")
-                continue
-            if self._closed:
-                self._violate(seq, "event-after-close", "",
-                              f"{op} event after the close at seq {self.report.close_seq}")
-                continue
-            if seq != seq_next:
-                self._seq_gap(seq, seq_next)
-            seq_next = seq + 1
-            if op == "lost":
-                lost = ev.get("count")
-                lost = lost if type(lost) is int and lost >= 0 else 0
-                self._note_gap(seq, lost, ev.get("error", ""))
-                seq_next = seq + lost
-            elif op == "close":
-                self._closed = True
-                self.report.closed, self.report.close_seq = True, seq
-                retained = ev.get("retained", [])
-                self.report.retained = [str(r) for r in retained] \
-                    if isinstance(retained, list) else []
-            else:
-                self.report.unjudged_events += 1
-        return count
+        """Judge the rest of the log from what it shows again (``aftergap.py``)."""
+        return AfterGap(self).run(seq_next)
 
     def _after_close(self) -> int:
         count = 0
@@ -699,7 +670,7 @@ class Replayer:
             self._violate(-1, "corrupt-data", "",
                           f"undecodable bytes after offset {end} ({corrupt}); "
                           "the rest of the log was not read")
-        if not self._closed and self._gap_seq is None:
+        if not self._closed:
             held = sum(ps.in_use for ps in self.pools.values())
             pins = sum(len(ps.live) for ps in self.pools.values())
             report.warnings.append(

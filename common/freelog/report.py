@@ -58,7 +58,8 @@ class ReplayReport:
     seconds: float = 0.0
     gaps: list[dict[str, Any]] = field(default_factory=list)  # lost markers: seq, count, error
     lost_events: int = 0
-    unjudged_events: int = 0  # events after the first gap (read, not judged)
+    judged_after_gap: int = 0  # events after the first gap, judged from what they show
+    unknown_pages_at_end: int = 0  # pages the log never showed again after its last gap
 
     @property
     def incomplete(self) -> bool:
@@ -90,7 +91,8 @@ class ReplayReport:
                 "violations_truncated": self.num_violations > len(self.violations),
                 "violations": [v.__dict__ for v in self.violations],
                 "incomplete": self.incomplete, "lost_events": self.lost_events,
-                "gaps": self.gaps, "unjudged_events": self.unjudged_events,
+                "gaps": self.gaps, "judged_after_gap": self.judged_after_gap,
+                "unknown_pages_at_end": self.unknown_pages_at_end,
                 "seconds": round(self.seconds, 3)}
 
     def format(self, max_violations: int = 50) -> str:
@@ -120,7 +122,8 @@ def format_report(r: ReplayReport, max_violations: int) -> str:
         first = r.gaps[0]
         lines.append(f"  INCOMPLETE: {r.lost_events:,} event(s) lost in {len(r.gaps)} gap(s), "
                      f"the first at seq {first['seq']} ({first['error'] or 'no cause given'}); "
-                     f"{r.unjudged_events:,} event(s) after it were read but not judged")
+                     f"{r.judged_after_gap:,} event(s) after it judged from what they show, "
+                     f"{r.unknown_pages_at_end:,} page(s) never seen again (not judged)")
     if r.num_violations:
         verdict = f"FAILED ({r.num_violations} violations)"
     else:
