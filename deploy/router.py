@@ -194,12 +194,14 @@ class Router:
     def _on_load(self, peer: bytes, msg: Load) -> None:
         # last_seen is refreshed by dispatch; routing uses the router's own counts
         w = self.workers.get(self.by_peer.get(peer, ""))
-        if w is not None and w.paused != msg.paused:
+        if w is None:
+            return
+        if bool(w.paused) != bool(msg.paused):  # the text changes while paused: log once
             if msg.paused:
                 logger.error("router: %s admits no new requests: %s", w.name, msg.paused)
             else:
                 logger.warning("router: %s admits new requests again", w.name)
-            w.paused = msg.paused
+        w.paused = msg.paused
 
     def _on_stats(self, peer: bytes, msg: Stats) -> None:
         self.workers[self.by_peer[peer]].stats = msg.stats
