@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as exc:  # a bad flag or a checkpoint pdkv refuses: before any process
-        print(f"pdkv run: {exc}", file=sys.stderr)
+        print(f"pdkv run: error: {exc}", file=sys.stderr)  # as deploy.cli prints ConfigError
         return 2
     spec = workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
