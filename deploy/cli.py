@@ -76,8 +76,7 @@ def _add_replay(sub) -> None:
                "incomplete (its writer lost events, e.g. on a full disk: it is never "
                "reported clean). With several logs the most severe wins, in the order "
                "2, 1, 3, 0. A torn last record and a missing close event are warnings, "
-               "not failures.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+               "not failures.")
     p.add_argument("logs", nargs="+", metavar="LOG|DIR",
                    help="free log files to verify, or folders of them")
     p.add_argument("--json", action="store_true",

@@ -5,13 +5,13 @@ from common.freelog.health import LogHealth, log_problems
 from common.freelog.reader import FreeLogReader, UnreadableLog
 from common.freelog.replay import replay_file
 from common.freelog.report import (
-                                   EXIT_CLEAN,
-                                   EXIT_INCOMPLETE,
-                                   EXIT_UNREADABLE,
-                                   EXIT_VIOLATIONS,
-                                   ReplayReport,
-                                   Violation,
-                                   combined_exit,
+    EXIT_CLEAN,
+    EXIT_INCOMPLETE,
+    EXIT_UNREADABLE,
+    EXIT_VIOLATIONS,
+    ReplayReport,
+    Violation,
+    combined_exit,
 )
 from common.freelog.writer import FORMAT, VERSION, FreeLogWriter, configure
 
