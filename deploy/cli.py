@@ -315,6 +315,9 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
                    help="keep free logs (<worker>.freelog) and process logs (<name>.log) "
                         "here (default: a temporary directory, removed when all is clean)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    from deploy.cluster.commands import add_cluster_flags
+
+    add_cluster_flags(p)
 
 
 def _add_run(sub) -> None:

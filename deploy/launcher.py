@@ -35,6 +35,10 @@ RANK = "rank"
 """Role of a tensor-parallel worker's follower ranks (rank 0 has the worker's role)."""
 
 
+NOT_REGISTERED = ("router", "frontend", RANK)
+"""Processes the router does not list as workers (the launcher waits only for the others)."""
+
+
 class WorkerDied(RuntimeError):
     """A process of the deployment exited; the message names it and says why."""
 
@@ -213,7 +217,7 @@ class Cluster:
                     progress: Callable[[dict], None] | None = None) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.config.ready_timeout_s
-        want = names or {p.name for p in self.procs if p.role not in ("router", RANK)}
+        want = names or {p.name for p in self.procs if p.role not in NOT_REGISTERED}
         while time.monotonic() < deadline:
             self.check()
             try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from common.config import DEFAULT, ConfigError, ServeConfig, resolve_model
 from common.freelog import UnreadableLog, replay_file
+from deploy.cluster.commands import make_cluster
 from deploy.driver import Result, drive, router_lost
 from deploy.launcher import Cluster, WorkerDied
 from deploy.summary import format_summary, summarize
@@ -194,9 +195,12 @@ def main(args: argparse.Namespace) -> int:
     spec = workload_from_args(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     check_devices(devices)
-    cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
-                      threads=args.threads, metrics_port=args.metrics_port,
-                      metrics_host=args.metrics_host)
+    try:
+        cluster = make_cluster(args, cfg, devices, metrics_port=args.metrics_port,
+                               metrics_host=args.metrics_host)
+    except ValueError as exc:
+        print(f"pdkv run: {exc}", file=sys.stderr)
+        return 2
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
               else f"{args.decode} colocated")
     if max(cfg.prefill_tp, cfg.decode_tp) > 1:
@@ -210,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         if progress:
             sys.stderr.write(f"\npdkv run: {layout} ready, sending {spec.requests} requests\n")
         results, stats, wall = serve_workload(cluster, spec, progress, into=results)
-    except (WorkerDied, TimeoutError) as exc:
+    except (WorkerDied, TimeoutError, RuntimeError) as exc:  # RuntimeError: Ray placement
         cluster.stop()
         _write_output(args, results)
         finished = sum(1 for r in results.values() if r.reason)

@@ -84,6 +84,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from deploy.run import config_from_args, replay_all
 
     _setup_logging(args.log_level)
+    if args.cluster == "ray":  # the front door runs as a Ray actor too
+        from deploy.cluster.commands import serve_on_ray
+
+        return serve_on_ray(args)
     cfg = config_from_args(args)
     sock = _bind_or_explain(args)  # before launching: a busy port fails at once
     if sock is None:
