@@ -115,15 +115,17 @@ def serve_main(args: argparse.Namespace) -> int:
         sigs.raising = False
         sock.close()
     cluster.stop()
-    return _report(cluster, replay_all(cluster.freelogs()))
+    return _report(cluster, replay_all(cluster.freelogs(), cluster.final_stats))
 
 
-def _report(cluster, problems: list[str]) -> int:
+def _report(cluster, checked: dict) -> int:
     logs = cluster.freelogs()
+    problems = checked["violations"] + checked["incomplete"] + checked["unreadable"] + \
+        sorted(checked["reported"])  # replay_all's verdicts: any of them is not clean
     print(f"pdkv serve: stopped; {len(logs)} free logs replayed, "
-          f"{'clean' if not problems else 'VIOLATIONS'}", flush=True)
-    for p in problems:
-        print(p, file=sys.stderr)
+          f"{'clean' if not problems else 'NOT CLEAN: ' + ', '.join(problems)}", flush=True)
+    for line in checked["details"]:
+        print(line, file=sys.stderr)
     try:
         cluster.check_exit_codes()
     except Exception as exc:  # WorkerDied: named, with its log tail
