@@ -59,7 +59,18 @@ class Door:
         if self._tokenizer is None:
             self._tokenizer = Tokenizer.for_model(self.mcfg)
         tok = self._tokenizer
+        self._check_text_size(msg, tok)
         prompt = encode_prompt(tok, msg.text, msg.messages)
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *tok.eos_token_ids)))
         params = dataclasses.replace(params, stop_token_ids=stops)
         return prompt, params, TextRoute(tok, prompt, msg.stop)
+
+    def _check_text_size(self, msg: Submit, tok: Tokenizer) -> None:
+        """Refuse a text that cannot fit the context before encoding it: encoding runs in
+        the router's loop (8 MB of text once took it 30 s, past every worker's lease)."""
+        chars = len(msg.text) + sum(len(str(m.get("content", ""))) for m in msg.messages)
+        limit = self.mcfg.max_position
+        if chars > limit * tok.max_token_chars:
+            raise BadRequest(f"text of {chars} characters exceeds the model's context of "
+                             f"{limit} positions (one token covers at most "
+                             f"{tok.max_token_chars} characters)")

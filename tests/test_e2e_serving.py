@@ -83,6 +83,9 @@ def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, re
     }
     for rid, (prompt, params, _) in bad.items():
         client.submit(rid, prompt, params)
+    # 8 MB of text once took the router 30 s to encode, past every worker's lease
+    bad["text"] = ([], {}, "exceeds the model's context of 4096")
+    client.submit("text", [], text="hello world " * ((8 << 20) // 12))
     client.abort("nobody")
     errors, deadline = {}, time.monotonic() + 10
     while len(errors) < len(bad) + 1 and time.monotonic() < deadline:

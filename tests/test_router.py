@@ -254,6 +254,16 @@ def test_a_rid_that_cannot_name_a_request_everywhere_is_refused(router, label):
     _submit(router, "x" * 256, [1] * 4)                # the longest that is served
 
 
+@pytest.mark.parametrize("text, messages", [
+    ("hello " * 12000, []), ("", [{"role": "user", "content": "hello " * 12000}])])
+def test_a_text_too_long_for_the_context_is_refused_before_encoding(router, text, messages):
+    _deployment(router)
+    router.dispatch(CLIENT, Submit("t", b"", {}, text=text, messages=messages))
+    (err,) = router.hub.take(CLIENT, Error)
+    assert "text of 72000 characters exceeds the model's context of 4096" in err.error
+    assert not router.hub.take(b"d0", Req)
+
+
 @pytest.mark.parametrize("tokens, params, words", [
     ([1] * 5000, {}, "exceeds the model's context of 4096 positions"),
     ([1] * 4000, {"max_new_tokens": 200}, "exceeds the model's context"),

@@ -48,6 +48,7 @@ class Tokenizer:
         """Every token id that ends generation (generation_config.json's eos_token_id,
         an int or a list; else config.json's; else the tokenizer's eos_token)."""
         self.chat_template = chat_template
+        self._max_chars: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -81,6 +82,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Ids the tokenizer knows, added tokens included (the model's may be larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_chars(self) -> int:
+        """Most characters one token stands for (the longest vocabulary entry): a text
+        longer than ``n * max_token_chars`` cannot encode to ``n`` tokens or fewer, which
+        a front door checks before paying for the encoding."""
+        if self._max_chars is None:
+            self._max_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+        return self._max_chars
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the post-processor of
