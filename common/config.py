@@ -16,6 +16,7 @@ from common.model import CONFIGS, ModelConfig, UnsupportedModel, get_config, loa
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
 _FREELOG_POLICIES = ("pause", "exit")
+_KV_TRANSPORTS = ("zmq", "nixl", "auto")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class ServeConfig:
     shared_memory: bool = True
     """Decode pools on CPU live in named shared memory, so a prefill on the same host
     copies pages straight into them (transport protocol v2); elsewhere ZMQ frames."""
+    kv_transport: str = "zmq"
+    """KV data path between prefill and decode: zmq (data frames, or the shared pool
+    above on one host), nixl (NIXL WRITEs into the decode's registered pool; needs
+    ``pdkv[nixl]`` on every worker, else the handshake fails and names the side), auto
+    (NIXL where both ends have it, else zmq). Control always rides ZMQ."""
     max_new_tokens_limit: int = 2048
     """Largest max_new_tokens a request may ask for."""
     transport: str = "ipc"
@@ -136,6 +142,9 @@ class ServeConfig:
         self._check_models()
         if self.transport not in _TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; allowed: {_TRANSPORTS}")
+        if self.kv_transport not in _KV_TRANSPORTS:
+            raise ValueError(f"kv_transport={self.kv_transport!r}; allowed: "
+                             f"{_KV_TRANSPORTS}")
         for name in ("page_size", "max_rows", "chunk_size", "max_running",
                      "max_new_tokens_limit"):
             if getattr(self, name) < 1:

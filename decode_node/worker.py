@@ -59,8 +59,8 @@ class DecodeWorker(WorkerBase):
         self.receiver = KvReceiver(cache, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            handshake_timeout_s=cfg.lease_s, shared_memory=cfg.shared_memory),
-            ctx=self.ctx)
+            handshake_timeout_s=cfg.lease_s, shared_memory=cfg.shared_memory,
+            kv_transport=cfg.kv_transport), ctx=self.ctx)
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
 
@@ -145,6 +145,9 @@ class DecodeWorker(WorkerBase):
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
         return self.receiver.sockets()
+
+    def idle_wait_s(self) -> float:
+        return min(0.02, self.receiver.poll_within() or 0.02)
 
     def load(self) -> Load:
         return self.scheduler.load()

@@ -120,9 +120,12 @@ def _add_bench(sub) -> None:
     add_bench_flags(t, quick="small sizes, under 30 s", repeats="5, 2 with --quick")
     t.add_argument("--sizes", type=int, nargs="+", metavar="TOKENS",
                    help="request sizes in tokens (default 1024 8192 32768)")
-    t.add_argument("--transports", nargs="+", choices=["tcp", "ipc", "shm"],
+    t.add_argument("--transports", nargs="+",
+                   choices=["tcp", "ipc", "shm", "nixl", "nixl-tcp"],
                    default=["tcp", "ipc", "shm"],
-                   help="transports to measure (default: all; shm = shared-memory pool)")
+                   help="transports to measure (default: tcp ipc shm; shm = shared-memory "
+                        "pool; nixl = NIXL WRITEs vs raw NIXL, UCX's choice; nixl-tcp = "
+                        "UCX_TLS=tcp; both need pdkv[nixl])")
     t.add_argument("--pool-tokens", type=int,
                    help="pool size in tokens; larger requests move as several pool-sized "
                         "requests (default 8192, 2048 with --quick)")
@@ -230,6 +233,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, help="decode batch size limit (default 64)")
     g.add_argument("--transport", choices=["ipc", "tcp"],
                    help="addresses on one machine: ipc (default) or tcp on 127.0.0.1")
+    g.add_argument("--kv-transport", choices=["zmq", "nixl", "auto"],
+                   help="KV data path: zmq (default: frames, or shared memory on one "
+                        "host), nixl (required: needs pdkv[nixl] on every worker), auto "
+                        "(nixl where both ends have it)")
     g.add_argument("--debug-integrity", action="store_true", default=None,
                    help="workers run check_integrity() whenever idle")
     g.add_argument("--prefill-tp", type=int, metavar="N",

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 _FLAG_FIELDS = ("dtype", "page_size", "prefill_pages", "decode_pages", "chunk_size",
                 "max_running", "transport", "debug_integrity", "spec_k", "offload",
                 "host_pages", "overcommit", "prefix_load_timeout_s", "prefill_tp",
-                "decode_tp", "tp_timeout_s")
+                "decode_tp", "tp_timeout_s", "kv_transport")
 _FLAG_OF = {"model": "--model", "model_path": "--model", "draft_model_path": "--draft-model"}
 
 

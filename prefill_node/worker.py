@@ -78,7 +78,7 @@ class PrefillWorker(WorkerBase):
         self.sender = KvSender(cache, self.kv_bind, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            shared_memory=cfg.shared_memory), ctx=self.ctx)
+            shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport), ctx=self.ctx)
         watch_host(self.metrics, self.offloader)
 
     def kv_address(self) -> str:
@@ -103,6 +103,9 @@ class PrefillWorker(WorkerBase):
         # an eager transfer exists before the announcement; abort is a no-op when unknown
         self.sender.abort(rid, detail="client abort")
         self._free_request(req, "aborted")
+
+    def idle_wait_s(self) -> float:
+        return min(0.02, self.sender.poll_within() or 0.02)
 
     # -- work ----------------------------------------------------------------------------
     def tick(self) -> bool:

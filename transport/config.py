@@ -39,6 +39,10 @@ class TransportConfig:
     """Use the same-host shared-memory data path when possible: decode offers its pool if
     it lives in shared memory (``KvCache(shared_memory=True)``), prefill maps an offered
     pool when both run on one host. False on either side keeps ZMQ data frames."""
+    kv_transport: str = "zmq"
+    """Data path: ``zmq`` (frames, or shared memory as above), ``nixl`` (NIXL WRITEs into
+    the decode's registered pool; the handshake fails unless both ends use NIXL) or
+    ``auto`` (NIXL when both ends offer it, else as ``zmq``). See transport/nixl.py."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -49,5 +53,7 @@ class TransportConfig:
                      "done_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.kv_transport not in ("zmq", "nixl", "auto"):
+            raise ValueError(f"kv_transport={self.kv_transport!r}; allowed: zmq, nixl, auto")
         if self.max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes={self.max_frame_bytes} must be >= 1")

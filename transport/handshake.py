@@ -24,11 +24,12 @@ class HandshakeError(RuntimeError):
 
 
 def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str,
-               shm_pool: str = "", shm_pages: int = 0, shm_token: bytes = b"") -> Hello:
+               shm_pool: str = "", shm_pages: int = 0, shm_token: bytes = b"",
+               nixl_offer: dict | None = None) -> Hello:
     """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only.
 
     A decode passes its shared pool (``shm_pool``, ``shm_pages``, ``shm_token``) to offer
-    it."""
+    it, and either side its NIXL fields (``nixl_offer``, see transport/nixl.py)."""
     offer = config.shared_memory and bool(shm_pool)
     return Hello(version=PROTOCOL_VERSION, node=config.node, role=role, model=config.model,
                  num_layers=layout.num_layers, num_draft_layers=layout.num_draft_layers,
@@ -37,7 +38,8 @@ def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: 
                  tp_rank=config.tp_rank, tp_size=config.tp_size,
                  lease_ms=int(config.lease_s * 1000), host_id=host_id(),
                  shm_pool=shm_pool if offer else "", shm_pages=shm_pages if offer else 0,
-                 shm_token=shm_token if offer else b"", model_digest=config.model_digest)
+                 shm_token=shm_token if offer else b"", model_digest=config.model_digest,
+                 kv_transport=config.kv_transport, **(nixl_offer or {}))
 
 
 def check(mine: Hello, theirs: Hello) -> None:

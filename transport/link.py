@@ -30,13 +30,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Inbound:
-    """One ZMQ message of a handshaken peer: its decoded control frame and the frames
-    that followed it (a ``KvChunk``'s data frame), or the error that decoding raised."""
+    """One message of a handshaken peer: its decoded control frame and the frames that
+    followed it (a ``KvChunk``'s data frame), or the error that decoding raised. ``via``
+    is ``zmq``, or ``nixl`` for a NIXL notification (a ``KvWritten``, no frames)."""
 
     peer: Peer
     msg: Message | None
     data: list[zmq.Frame] = field(default_factory=list)
     error: ProtocolError | None = None
+    via: str = "zmq"
 
 
 @dataclass

@@ -5,8 +5,8 @@ Every message is a frozen dataclass with an explicit field list. On the wire it 
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
 followed by exactly one raw data frame (the page bytes), every other message by none.
 Page ids travel as little-endian int32 ``bytes``. Nothing is ever pickled. A field with a
-default (only ``Hello``'s same-host fields) may be absent, so that a version-1 ``Hello``
-still decodes and fails the handshake on ``version`` rather than on a missing field.
+default (only ``Hello``'s same-host and NIXL fields) may be absent, so that a version-1
+``Hello`` still decodes and fails the handshake on ``version`` rather than on a missing field.
 
 ``decode`` never raises anything but ``ProtocolError``: unknown types, missing fields,
 wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
@@ -27,6 +27,8 @@ from .limits import INT32_MAX
 
 PROTOCOL_VERSION = 3  # 2: shared-memory data path (KvWritten); 3: segment token, checks
 MAX_HEADER_BYTES = 64 * 1024
+MAX_NIXL_MD_BYTES = 48 * 1024  # a NIXL agent's metadata rides in the Hello header
+KV_TRANSPORTS = ("zmq", "nixl", "auto")
 
 
 class ErrorCode(str, Enum):
@@ -81,6 +83,14 @@ class Hello:
     model_digest: str = ""  # fingerprint of the weights (target and draft); must match
     # version 3: the segment's secret, without which it cannot be mapped (decode only)
     shm_token: bytes = field(default=b"", repr=False)
+    # NIXL data path (transport/nixl.py; absent from a peer without it, which means zmq):
+    kv_transport: str = "zmq"  # the sender's mode: zmq, nixl (required) or auto
+    nixl_agent: str = ""  # the sender's NIXL agent: a decode offers it, a prefill accepts
+    nixl_md: bytes = b""  # decode: its agent's metadata (connection info, registered pool)
+    nixl_mem: str = ""    # decode: "DRAM" or "VRAM", where its pool lives
+    nixl_addr: int = 0    # decode: address of page 0 of the registered pool
+    nixl_dev: int = 0     # decode: device id of that pool (0 for DRAM)
+    nixl_pages: int = 0   # decode: pages of that pool
 
     def __post_init__(self) -> None:
         for name in ("node", "dtype", "host_id", "model_digest"):
@@ -97,6 +107,20 @@ class Hello:
         L.segment(self, "shm_pool")
         if len(self.shm_token) > 64:
             raise ValueError(f"shm_token of {len(self.shm_token)} bytes; at most 64")
+        self._check_nixl()
+
+    def _check_nixl(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport={self.kv_transport[:40]!r}; allowed: "
+                             f"{KV_TRANSPORTS}")
+        if self.nixl_mem not in ("", "DRAM", "VRAM"):
+            raise ValueError(f"nixl_mem={self.nixl_mem[:40]!r}; allowed: '', DRAM, VRAM")
+        L.text(self, "nixl_agent", L.MAX_NAME)
+        L.ints(self, nixl_addr=(0, (1 << 64) - 1), nixl_dev=(0, INT32_MAX),
+               nixl_pages=(0, INT32_MAX))
+        if len(self.nixl_md) > MAX_NIXL_MD_BYTES:
+            raise ValueError(f"nixl_md of {len(self.nixl_md)} bytes; at most "
+                             f"{MAX_NIXL_MD_BYTES}")
 
 
 @dataclass(frozen=True)

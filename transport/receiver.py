@@ -59,6 +59,7 @@ from .messages import (
     ProtocolError,
     pages_to_bytes,
 )
+from .nixl_target import SLICE_S, target_for
 from .peers import Peer, PeerTable
 from .receiver_data import land_chunk
 from .receiver_link import DRAIN_BYTES, ReceiverLink
@@ -97,10 +98,12 @@ class KvReceiver:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         shm_name = cache.shared_memory_name() or ""
+        self.nixl = target_for(config, cache, self.stats)  # None unless kv_transport asks
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
                                      shm_pool=shm_name, shm_pages=cache.num_pages,
-                                     shm_token=cache.shared_memory_token())
-        self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats)
+                                     shm_token=cache.shared_memory_token(),
+                                     nixl_offer=self.nixl and self.nixl.offer())
+        self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats, self.nixl)
 
     @property
     def hello(self) -> Hello:
@@ -192,7 +195,8 @@ class KvReceiver:
         Returns:
             events since the last call, oldest first.
         """
-        polled, budget = self.link.poll(timeout_s), MAX_POLL_BYTES
+        nixl_open = self.poll_within() is not None
+        polled, budget = self.link.poll(timeout_s, nixl_open), MAX_POLL_BYTES
         self._take(polled)
         while polled.more and budget > 0:  # land what we hold before reading on
             budget -= DRAIN_BYTES
@@ -222,6 +226,7 @@ class KvReceiver:
                 self.link.send_error(item.peer.key, item.peer.name, ProtocolError(
                     ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid))
                 self._fail_rid(rid, "error", f"internal error: {exc}", by=item.peer)
+        self._judge_deferred_dones()
         polled.inbound.clear()  # frees the frames we landed before the next are read
         for peer, why, clean in polled.lost:
             self._lose(peer, why, clean)
@@ -229,6 +234,14 @@ class KvReceiver:
     def sockets(self) -> list[zmq.Socket]:
         """The sockets a worker's loop may wait on (readable: call ``poll``)."""
         return [s.sock for s in self.link.sockets.values()] + self.link.pending_sockets()
+
+    def poll_within(self) -> float | None:
+        """Seconds within which a worker should call ``poll`` again (a NIXL leg is open:
+        no socket wakes the worker for its notifications, and over TCP its bytes land
+        only while we poll); None: whenever."""
+        if self.nixl is not None and self.nixl.active(self.transfers):
+            return SLICE_S
+        return None
 
     @property
     def num_pins(self) -> int:
@@ -271,6 +284,8 @@ class KvReceiver:
                 self._on_request_msg(peer, inc, item)
             elif isinstance(msg, Abort):
                 self.link.send(peer.key, AbortAck(rid=msg.rid))
+            elif item.via == "nixl":  # written before the peer saw our Abort: pinned pages
+                self.stats["nixl_writes_late"] += 1
         elif isinstance(msg, AbortAck):
             inc = self.transfers.get(msg.rid)
             if inc is not None and peer.key in inc.legs:
@@ -306,28 +321,60 @@ class KvReceiver:
         if isinstance(msg, KvChunk):
             self._on_chunk(peer, inc, msg, item.data)
         elif isinstance(msg, KvWritten):
-            if not (self.hello.shm_pool and peer.hello.shm_pool == self.hello.shm_pool):
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, "
-                                    "which did not map our pool", msg.rid)
-            inc.count_blocks(inc.leg_for_blocks(peer.key, msg), msg.num_blocks)
-            self.stats["shm_writes_recv"] += 1
-            lay = self.cache.layout   # this rank's heads: the page bytes the copy filled
-            self.stats["bytes_recv_shm"] += (msg.num_blocks * lay.page_bytes(
-                self.cache.page_size) * (msg.head_end - msg.head_start) // lay.num_kv_heads)
+            self._on_written(peer, inc, msg, item.via)
         elif isinstance(msg, Accepted):
             inc.accept(peer.key)
         elif isinstance(msg, Done):
-            first_token = inc.done(peer.key, msg)
-            if first_token is not None:
-                for key in inc.legs:
-                    self.link.send(key, Ack(rid=inc.rid))
-                self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token)
+            self._on_done(peer.key, inc, msg)
         elif isinstance(msg, Abort):
             self.stats["aborts_recv"] += 1
             inc.legs[peer.key].abort_acked = True
             self.link.send(peer.key, AbortAck(rid=inc.rid))
             self._abort_legs(inc, msg.reason, msg.detail)
             self._end(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
+
+    def _on_written(self, peer: Peer, inc: Incoming, msg: KvWritten, via: str) -> None:
+        """Blocks a same-host prefill copied into our shared pool, or (``via="nixl"``) a
+        NIXL write's notification; either only from a peer of that data path."""
+        if via == "nixl":
+            counter = "nixl_writes_recv"
+        elif self.hello.shm_pool and peer.hello.shm_pool == self.hello.shm_pool:
+            counter = "shm_writes_recv"
+        else:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, which "
+                                "did not map our pool", msg.rid)
+        inc.count_blocks(inc.leg_for_blocks(peer.key, msg), msg.num_blocks)
+        self.stats[counter] += 1
+        lay = self.cache.layout   # this rank's heads: the page bytes the write filled
+        nbytes = (msg.num_blocks * lay.page_bytes(self.cache.page_size)
+                  * (msg.head_end - msg.head_start) // lay.num_kv_heads)
+        # NIXL bytes count as received (``bytes_recv``) like frames; shm copies apart
+        self.stats["bytes_recv" if via == "nixl" else "bytes_recv_shm"] += nbytes
+
+    def _on_done(self, key: bytes, inc: Incoming, msg: Done) -> None:
+        leg, want = inc.legs[key], inc.total_blocks - inc.cached_blocks
+        if leg.blocks_received < want and self.nixl is not None and \
+                self.nixl.defer_done(key, inc.rid, msg):
+            return  # the leg's NIXL notifications are still on their way
+        first_token = inc.done(key, msg)
+        if first_token is not None:
+            for k in inc.legs:
+                self.link.send(k, Ack(rid=inc.rid))
+            self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token)
+
+    def _judge_deferred_dones(self) -> None:
+        """Deferred Dones whose notifications came in (or that are overdue)."""
+        if self.nixl is None:
+            return
+        for key, msg in self.nixl.due_dones(self.transfers, self.config):
+            try:
+                self._on_done(key, self.transfers[msg.rid], msg)
+            except ProtocolError as exc:
+                peer = self.peers[key]
+                self.link.send_error(key, peer.name, exc)
+                self._fail_rid(exc.rid, "error", str(exc), by=peer)
+            finally:
+                self.nixl.judged(key, msg.rid)
 
     def _on_chunk(self, peer: Peer, inc: Incoming, msg: KvChunk, data: list) -> None:
         leg = inc.leg_for_blocks(peer.key, msg)
@@ -388,6 +435,8 @@ class KvReceiver:
         """``peer`` is gone: its legs count as abort-acked, its open requests fail."""
         if peer.lost:
             return
+        if self.nixl is not None:
+            self.nixl.forget(peer.key)
         for rid in self.peers.mark_lost(peer, why, clean):
             inc = self.transfers.get(rid)
             if inc is not None and peer.key in inc.legs:

@@ -15,11 +15,22 @@ from collections import Counter
 
 import zmq
 
-from . import handshake, tp
+from . import handshake, nixl, tp
 from .config import TransportConfig
 from .connecting import Connecting
 from .link import Inbound, LinkPoll, count_error, parse
-from .messages import Bye, Heartbeat, Hello, Message, ProtocolError, encode
+from .messages import (
+    Bye,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    KvWritten,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+from .nixl_target import SLICE_S, NixlTarget
 from .peers import PeerTable
 from .sockets import DealerSocket
 
@@ -38,14 +49,16 @@ class ReceiverLink:
         ctx: the endpoint's ZMQ context (the caller terminates it).
         hello: this rank's ``Hello``.
         peers: the endpoint's peer table; the link adds peers and ticks their leases.
+        nixl: this rank's NIXL side (``nixl_target.target_for``), None without NIXL.
     """
 
     def __init__(self, ctx: zmq.Context, hello: Hello, config: TransportConfig,
-                 peers: PeerTable, stats: Counter):
+                 peers: PeerTable, stats: Counter, nixl: NixlTarget | None = None):
         self.config, self.hello, self.peers, self.stats = config, hello, peers, stats
+        self.nixl = nixl
         self._ctx = ctx
         self.sockets: dict[bytes, DealerSocket] = {}
-        self.paths: dict[bytes, str] = {}   # peer -> data path: shm, tcp or ipc
+        self.paths: dict[bytes, str] = {}   # peer -> data path: nixl, shm, tcp or ipc
         self.groups: list[list[bytes]] = []
         """Each group's rank keys, by group id (empty until the group joined)."""
         self.connecting: dict[int, Connecting] = {}
@@ -121,13 +134,20 @@ class ReceiverLink:
         if ranks != list(range(size)):
             raise handshake.HandshakeError(f"prefill group {conn.addresses} has ranks "
                                            f"{ranks}, expected 0..{size - 1}")
+        # NIXL first, for every rank: a rank that refuses it (HandshakeError) fails the
+        # whole group before any of its ranks joins
+        nixl_ranks = [nixl.negotiate(self.hello, theirs) for theirs in hellos]
         now = time.monotonic()
-        for address, sock, theirs in zip(conn.addresses, conn.socks, hellos):
+        for address, sock, theirs, by_nixl in zip(conn.addresses, conn.socks, hellos,
+                                                  nixl_ranks):
+            if by_nixl:
+                self.nixl.bind(theirs.nixl_agent, sock.identity)
             self.sockets[sock.identity] = sock
-            self.paths[sock.identity] = "shm" if theirs.shm_pool else address.split(":", 1)[0]
+            self.paths[sock.identity] = "nixl" if by_nixl else "shm" if theirs.shm_pool \
+                else address.split(":", 1)[0]
             peer = self.peers.add(sock.identity, theirs, now, now + self.config.heartbeat_s)
             logger.info("%s: connected to %s at %s (data path %s)", self.config.node,
-                        peer.name, address, "shm" if theirs.shm_pool else "zmq")
+                        peer.name, address, self.paths[sock.identity])
         self.groups[group] = [sock.identity for sock in conn.socks]
 
     def is_connecting(self, group: int) -> bool:
@@ -167,23 +187,36 @@ class ReceiverLink:
         return group in self.failed or any(self.peers[k].lost for k in self.groups[group])
 
     # -- polling -------------------------------------------------------------------------
-    def poll(self, timeout_s: float) -> LinkPoll:
-        """Wait up to ``timeout_s`` for any socket, take what arrived, send due heartbeats,
-        find lost peers."""
+    def poll(self, timeout_s: float, nixl_open: bool = False) -> LinkPoll:
+        """Wait up to ``timeout_s`` for any socket, take what arrived (NIXL notifications
+        too), send due heartbeats, find lost peers. ``nixl_open``: a NIXL leg is open, so
+        the wait is cut into ``SLICE_S`` slices that progress NIXL (no socket wakes us
+        for a notification, and over TCP the bytes land only while we progress)."""
         out = LinkPoll()
-        ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        socks = list(self.sockets.items())
-        self._turn = (self._turn + 1) % max(1, len(socks))  # no socket starves the others
-        budget = [DRAIN_BYTES]
-        for key, sock in socks[self._turn:] + socks[:self._turn]:
-            if sock.sock in ready and self._drain(out, key, sock, budget):
-                out.more = True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            wait = min(left, SLICE_S) if nixl_open and self.nixl is not None else left
+            self._drain_ready(out, dict(self._poller.poll(max(0, int(wait * 1000)))))
+            self._take_notifications(out)
+            if out.inbound or out.lost or out.more or left <= wait:
                 break
         due, expired = self.peers.tick(time.monotonic())
         for peer in due:
             self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq))
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
+
+    def _drain_ready(self, out: LinkPoll, ready: dict) -> None:
+        """Drain the ready sockets in turn (no socket starves the others) up to one drain's
+        byte budget; ``out.more`` when the budget ran out first."""
+        socks = list(self.sockets.items())
+        self._turn = (self._turn + 1) % max(1, len(socks))
+        budget = [DRAIN_BYTES]
+        for key, sock in socks[self._turn:] + socks[:self._turn]:
+            if sock.sock in ready and self._drain(out, key, sock, budget):
+                out.more = True
+                break
 
     def _drain(self, out: LinkPoll, key: bytes, sock: DealerSocket, budget: list[int]) -> bool:
         """Take ``sock``'s messages; True when the byte budget ran out first."""
@@ -211,6 +244,27 @@ class ReceiverLink:
                 out.inbound.append(Inbound(peer, msg, data))
         return True
 
+    def _take_notifications(self, out: LinkPoll) -> None:
+        """NIXL notifications of live peers, as ``Inbound(via="nixl")`` values."""
+        if self.nixl is None:
+            return
+        for key, payload in self.nixl.notifications():
+            self.stats["msgs_recv"] += 1
+            self.peers.touch(key, time.monotonic())
+            peer = self.peers.live(key)
+            if peer is None:
+                self.stats["late_msgs"] += 1
+                continue
+            try:
+                msg = decode(payload)
+                if not isinstance(msg, KvWritten):  # a notification says what was written
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"NIXL notification carries "
+                                        f"{type(msg).__name__}, expected KvWritten",
+                                        getattr(msg, "rid", None))
+                out.inbound.append(Inbound(peer, msg, via="nixl"))
+            except ProtocolError as exc:
+                out.inbound.append(Inbound(peer, None, error=exc, via="nixl"))
+
     def send_error(self, key: bytes, who: str, exc: ProtocolError) -> None:
         """Count, log and answer a protocol error."""
         self.send(key, count_error(self.stats, self.config.node, who, exc))
@@ -232,3 +286,5 @@ class ReceiverLink:
         for conn in self.connecting.values():
             conn.close()
         self.connecting.clear()
+        if self.nixl is not None:
+            self.nixl.close()

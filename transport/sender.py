@@ -48,6 +48,7 @@ from .messages import (
     Hello,
     ProtocolError,
 )
+from .nixl_channel import source_for
 from .outgoing import Outgoing, OutState, announced_leg
 from .peers import Peer, PeerTable
 from .sender_link import SenderLink
@@ -76,9 +77,12 @@ class KvSender:
         self.transfers: dict[str, Outgoing] = {}
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
-        hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill")
+        self.nixl = source_for(config, cache, self.stats)  # None unless kv_transport asks
+        hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill",
+                                     nixl_offer=self.nixl and {
+                                         "nixl_agent": self.nixl.agent.name})
         self.link = SenderLink(self._ctx, address, PoolView(cache.data()), hello, config,
-                               self.peers, self.stats)
+                               self.peers, self.stats, self.nixl)
         self.streamer = Streamer(cache, self.link)
         self.address = self.link.address
 
@@ -87,7 +91,7 @@ class KvSender:
         return self.link.hello
 
     def data_paths(self) -> dict[str, str]:
-        """Data path of each live decode peer (``shm``, ``tcp``, ``ipc``), by peer label:
+        """Data path of each live decode peer (``nixl``, ``shm``, ``tcp``, ``ipc``), by peer label:
         a same-host decode whose pool could not be mapped shows frames here."""
         return {p.label: self.link.data_path(p.key) for p in self.peers.values()
                 if not p.lost}
@@ -155,12 +159,21 @@ class KvSender:
         """The sockets a worker's loop may wait on (readable: call ``poll``)."""
         return [self.link.router.sock]
 
+    def poll_within(self) -> float | None:
+        """Seconds within which a worker should call ``poll`` again (NIXL writes in
+        flight move only when polled, and no socket wakes the worker for them)."""
+        return self.link.poll_within()
+
     @property
     def num_pins(self) -> int:
         return sum(len(o.pins) for o in self.transfers.values())
 
     def close(self) -> None:
-        """Say Bye to every peer, drop all pins, close the socket (``linger=0``)."""
+        """Let NIXL writes finish (bounded), say Bye to every peer, drop all pins, close
+        the socket (``linger=0``)."""
+        if self.nixl is not None:
+            self.nixl.finish()
+            self._pump(0)  # send what the writes held
         for peer in self.peers.values():
             if not peer.lost:
                 self.link.send(peer.key, Bye(reason="closing"))
@@ -224,7 +237,9 @@ class KvSender:
         if out is not None and peer.key in out.legs:
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} announced twice",
                                 msg.rid)
-        limit = peer.hello.shm_pages if peer.key in self.link.shm else None
+        # pages we write into ourselves (shared memory, NIXL): each id inside that pool
+        limit = peer.hello.shm_pages if peer.key in self.link.shm else \
+            peer.hello.nixl_pages if self.link.data_path(peer.key) == "nixl" else None
         leg = announced_leg(self.hello, peer.key, peer.hello, msg, out, limit)
         out = out or self.transfers.setdefault(msg.rid, Outgoing(msg.rid))
         h, ps = self.hello, self.hello.page_size
@@ -250,7 +265,7 @@ class KvSender:
         self._flush(out)
 
     def _on_abort(self, peer: Peer, msg: Abort) -> None:
-        self.link.send(peer.key, AbortAck(rid=msg.rid))
+        self.link.send_after_writes(peer.key, msg.rid, AbortAck(rid=msg.rid))
         out = self.transfers.get(msg.rid)
         if out is None or peer.key not in out.legs:
             self.stats["aborts_unknown_rid"] += 1
@@ -297,7 +312,8 @@ class KvSender:
         """Send ``Abort`` to every live leg that has not stopped yet."""
         self.stats["aborts_sent"] += 1
         for leg in out.legs_to_abort(lambda key: self.peers.live(key) is not None):
-            self.link.send(leg.peer, Abort(rid=out.rid, reason=reason, detail=detail))
+            self.link.send_after_writes(leg.peer, out.rid,
+                                        Abort(rid=out.rid, reason=reason, detail=detail))
 
     def _end(self, out: Outgoing, kind: EventKind, reason: str, detail: str) -> None:
         out.close()

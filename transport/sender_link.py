@@ -18,12 +18,13 @@ import zmq
 
 from common.kv import SegmentError
 
-from . import handshake, shm, tp
+from . import handshake, nixl, shm, tp
 from .channel import DataChannel, PoolView, ZmqChannel
 from .config import TransportConfig
 from .events import Event, EventKind
 from .link import Inbound, LinkPoll, count_error, is_unreachable, parse
 from .messages import Bye, Error, ErrorCode, Heartbeat, Hello, Message, ProtocolError, encode
+from .nixl_channel import NixlChannel, NixlSource
 from .peers import PeerTable
 from .sockets import RouterSocket
 
@@ -38,11 +39,14 @@ class SenderLink:
         pool: byte views of this rank's pool, read by the data channels.
         hello: this rank's ``Hello``.
         peers: the endpoint's peer table; the link adds peers and ticks their leases.
+        nixl: this rank's NIXL side (``nixl_channel.source_for``), None without NIXL.
     """
 
     def __init__(self, ctx: zmq.Context, address: str, pool: PoolView, hello: Hello,
-                 config: TransportConfig, peers: PeerTable, stats: Counter):
+                 config: TransportConfig, peers: PeerTable, stats: Counter,
+                 nixl: NixlSource | None = None):
         self.config, self.peers, self.stats, self.hello = config, peers, stats, hello
+        self.nixl = nixl
         self.router = RouterSocket(ctx, address)
         self.address = self.router.address_bound
         self.pool = pool
@@ -57,16 +61,43 @@ class SenderLink:
         """Read what arrived (waiting up to ``timeout_ms`` for the first message), answer
         handshakes, send due heartbeats, find lost peers."""
         out = LinkPoll()
-        item = self.router.recv(timeout_ms)
+        item = self._recv(out, timeout_ms)
         while item is not None:
             self._take(out, *item)
             item = self.router.recv(0)
+        self._progress_nixl(out)
         due, expired = self.peers.tick(time.monotonic())
         for peer in due:
             if not self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq)):
                 out.lost.append((peer, "unreachable", False))
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
+
+    def _recv(self, out: LinkPoll, timeout_ms: int):
+        """The first message within ``timeout_ms``; while NIXL writes are in flight (or
+        control is held for them) the wait is cut into 1 ms slices that progress them
+        (over TCP they move only then)."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self.nixl is not None and self.nixl.busy:
+            left_ms = (deadline - time.monotonic()) * 1000
+            item = self.router.recv(1 if left_ms > 0 else 0)
+            if item is not None or left_ms <= 0:
+                return item
+            self._progress_nixl(out)
+        return self.router.recv(max(0, int((deadline - time.monotonic()) * 1000)))
+
+    def _progress_nixl(self, out: LinkPoll) -> None:
+        """Progress NIXL writes, send the control messages they held, and report peers
+        whose writes failed as lost (their endpoint is broken: nothing more is written)."""
+        if self.nixl is None:
+            return
+        ready, failed = self.nixl.progress()
+        for key, msg in ready:
+            self.send(key, msg)
+        for key, why in failed:
+            peer = self.peers.live(key)
+            if peer is not None:
+                out.lost.append((peer, f"NIXL write failed: {why}", False))
 
     def _take(self, out: LinkPoll, key: bytes, frames: list[zmq.Frame]) -> None:
         self.stats["msgs_recv"] += 1
@@ -97,28 +128,53 @@ class SenderLink:
     def _on_hello(self, out: LinkPoll, key: bytes, theirs: Hello) -> None:
         try:
             handshake.check(self.hello, theirs)
+            self.drop_peer(key)  # a reconnect under the same routing id maps afresh
+            nixl_channel = self._map_nixl(key, theirs)
         except handshake.HandshakeError as exc:
-            self.send(key, self.hello)
+            # answer without our NIXL agent, so that the decode sees the refusal too
+            self.send(key, dataclasses.replace(self.hello, nixl_agent=""))
             self.stats["errors.handshake"] += 1
             logger.error("%s: %s", self.config.node, exc)
             out.events.append(Event(EventKind.HANDSHAKE_FAILED, detail=str(exc),
                                     peer=theirs.node))
             return
-        self.drop_peer(key)  # a reconnect under the same routing id maps afresh
         try:
-            channel = self._map_shm(theirs)
+            channel = None if nixl_channel else self._map_shm(theirs)
         except SegmentError as exc:
             self._refuse_shm(out, key, theirs, exc)
             return
         if channel is not None:
             self.shm[key] = channel
-        self.paths[key] = "shm" if channel is not None else self.address.split(":", 1)[0]
-        self.send(key, dataclasses.replace(self.hello, shm_pool=channel and theirs.shm_pool
-                                           or ""))
+        self.paths[key] = "nixl" if nixl_channel else "shm" if channel is not None \
+            else self.address.split(":", 1)[0]
+        self.send(key, dataclasses.replace(
+            self.hello, shm_pool=channel and theirs.shm_pool or "",
+            nixl_agent=self.nixl.agent.name if nixl_channel else ""))
         now = time.monotonic()
         peer = self.peers.add(key, theirs, now, next_heartbeat=now)
         logger.info("%s: peer %s connected (data path %s)", self.config.node, peer.name,
-                    "shm" if channel else "zmq")
+                    self.data_path(key))
+
+    def _map_nixl(self, key: bytes, theirs: Hello) -> NixlChannel | None:
+        """The NIXL channel to a decode when both ends offer NIXL (``nixl.negotiate``).
+
+        Raises:
+            HandshakeError: either end requires NIXL and this leg cannot have it.
+        """
+        if not nixl.negotiate(self.hello, theirs):
+            return None
+        channel = self.nixl.accept(key, theirs, self._dst_heads(theirs))
+        if channel is None:  # its metadata was refused: as if we had not offered NIXL
+            nixl.negotiate(dataclasses.replace(self.hello, nixl_agent=""), theirs)
+        return channel
+
+    def _dst_heads(self, theirs: Hello) -> slice:
+        """Where the heads we share with a decode rank lie in its head axis."""
+        h = self.hello
+        heads = tp.overlap(h.total_kv_heads, h.tp_size, h.tp_rank, theirs.tp_size,
+                           theirs.tp_rank)
+        return tp.local_slice(heads, h.total_kv_heads, theirs.tp_size, theirs.tp_rank) \
+            if heads else slice(0, 0)
 
     def _refuse_shm(self, out: LinkPoll, key: bytes, theirs: Hello,
                     exc: SegmentError) -> None:
@@ -139,38 +195,49 @@ class SenderLink:
         mapped = shm.attach(theirs)
         if mapped is None:
             return None
-        heads = tp.overlap(h.total_kv_heads, h.tp_size, h.tp_rank, theirs.tp_size,
-                           theirs.tp_rank)
-        dst = tp.local_slice(heads, h.total_kv_heads, theirs.tp_size, theirs.tp_rank) \
-            if heads else slice(0, 0)
-        return shm.ShmChannel(self.router, self.pool, mapped, dst, self.stats)
+        return shm.ShmChannel(self.router, self.pool, mapped, self._dst_heads(theirs),
+                              self.stats)
 
     # -- data path per peer ----------------------------------------------------------------
     def channel_for(self, key: bytes) -> DataChannel:
-        """Shared memory only while the decode cannot have declared us lost: our last
-        message to it is younger than half our lease (its clock starts no earlier)."""
-        channel = self.shm.get(key)
+        """Shared memory or NIXL only while the decode cannot have declared us lost: our
+        last message to it is younger than half our lease (its clock starts no earlier)."""
+        channel = self.shm.get(key) or (self.nixl and self.nixl.channels.get(key))
         if channel is None:
             return self.frames
         if time.monotonic() - self._last_sent.get(key, 0.0) > self.config.lease_s / 2:
-            self.stats["shm_fallbacks"] += 1
+            self.stats[f"{channel.name}_fallbacks"] += 1
             return self.frames
         return channel
+
+    def poll_within(self) -> float | None:
+        """Seconds within which ``poll`` should run again (NIXL writes in flight, or
+        control held for them, move only when polled); None: whenever."""
+        return 0.001 if self.nixl is not None and self.nixl.busy else None
+
+    def send_after_writes(self, key: bytes, rid: str, msg: Message) -> None:
+        """Send ``msg`` (Done, Abort or AbortAck: no more bytes of ``rid`` will come) once
+        no NIXL write of ``rid`` to ``key`` is in flight; ``poll`` sends held ones."""
+        if self.nixl is None or not self.nixl.hold(key, rid, msg):
+            self.send(key, msg)
 
     def sent_data(self, key: bytes) -> None:
         """A data channel reached ``key``: that renews our claim on its shared pool."""
         self._last_sent[key] = time.monotonic()
 
     def data_path(self, key: bytes) -> str:
-        """``shm`` when the peer's pool was mapped at its handshake, else the frames'
+        """``nixl`` or ``shm`` when the peer's was chosen at its handshake, else the frames'
         scheme (tcp, ipc): a same-host peer whose pool could not be mapped shows here."""
         return self.paths.get(key, "?")
 
     def drop_peer(self, key: bytes) -> None:
-        """Unmap the peer's pool, if mapped (the peer is gone or reconnecting)."""
+        """Unmap the peer's pool, if mapped, and drop its NIXL channel (the peer is gone
+        or reconnecting)."""
         channel = self.shm.pop(key, None)
         if channel is not None:
             channel.close()
+        if self.nixl is not None:
+            self.nixl.drop(key)
 
     def send(self, key: bytes, msg: Message) -> bool:
         """Send one control message; False when the peer is unreachable."""
@@ -189,4 +256,6 @@ class SenderLink:
         for channel in self.shm.values():
             channel.close()
         self.shm.clear()
+        if self.nixl is not None:
+            self.nixl.close()
         self.router.close()

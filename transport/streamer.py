@@ -58,7 +58,7 @@ class Streamer:
             done = Done(rid=out.rid, num_blocks=out.total_blocks - out.cached_blocks,
                         first_token=out.first_token)
             for leg in out.legs.values():
-                self.link.send(leg.peer, done)
+                self.link.send_after_writes(leg.peer, out.rid, done)
             out.mark_done_sent()
         return None
 

@@ -191,7 +191,7 @@ class WorkerBase(ABC):
             if not busy:
                 if self.config.debug_integrity and self.cache is not None:
                     self.cache.check_integrity()
-                wait_any([*self.link.sockets(), *self.sockets()], 0.02)
+                wait_any([*self.link.sockets(), *self.sockets()], self.idle_wait_s())
 
     def _tick(self) -> bool:
         try:
@@ -359,6 +359,11 @@ class WorkerBase(ABC):
     def sockets(self) -> list:
         """Extra sockets whose input should wake the idle loop."""
         return []
+
+    def idle_wait_s(self) -> float:
+        """Longest idle wait for a socket; shorter while a data path without sockets to
+        wait on needs polling (NIXL: ``KvSender``/``KvReceiver.poll_within``)."""
+        return 0.02
 
     def load(self) -> Load:
         """The load report sent every ``heartbeat_s``."""

@@ -1,0 +1,189 @@
+"""NIXL rows of ``pdkv bench transfer`` (``--transports nixl nixl-tcp``): pdkv over its
+NIXL data path against raw NIXL moving the same bytes into the same decode pool, and
+memcpy, in the same run.
+
+Layout and sizes are ``benchmarks.transfer``'s (2 MiB pages; requests larger than the pool
+move as several pool-sized requests). ``nixl`` lets UCX pick its transports (on one host:
+``cma`` for the bytes); ``nixl-tcp`` forces ``UCX_TLS=tcp`` on both processes.
+
+Like with like: both figures end when the decode knows its pool holds the bytes.
+- pdkv: the decode child's clock from ``announce`` to ``COMPLETED`` (Announce, Accepted,
+  one WRITE per pool-sized request with its notification, Done);
+- raw NIXL: the prefill posts one WRITE of the same bytes into the same registered decode
+  pages with a notification, through the NIXL agent API directly, waits for ``DONE`` and
+  posts the next; the time runs from the first post (prefill clock) to the last
+  notification's arrival at the decode (child clock; ``CLOCK_MONOTONIC`` is system-wide).
+pdkv and raw runs alternate so that the machine's drift hits both alike; medians.
+Goal: pdkv >= ``GOAL`` x raw NIXL at every size (``judge``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from benchmarks import transfer as tr
+from common import KvCache
+from transport import KvReceiver, KvSender, TransportConfig
+
+GOAL = 0.9
+VARIANTS = {"nixl": None, "nixl-tcp": "tcp"}  # transport name -> UCX_TLS
+CFG = {**tr.CFG, "kv_transport": "nixl"}
+
+
+@contextmanager
+def _ucx_tls(value: str | None):
+    """``UCX_TLS`` for agents made inside (and children spawned inside) the block."""
+    old = os.environ.get("UCX_TLS")
+    if value is None:
+        os.environ.pop("UCX_TLS", None)
+    else:
+        os.environ["UCX_TLS"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = old
+
+
+# -- decode child --------------------------------------------------------------------------
+def _child(address: str, pool_tokens: int, queue, cmd) -> None:
+    """Serve ``("pdkv", tokens, repeat)`` and ``("raw", writes)`` jobs until None."""
+    cache = tr._cache(pool_tokens, "decode")
+    cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
+    rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
+    rx.connect(address)
+    while (job := cmd.get()) is not None:
+        if job[0] == "pdkv":
+            queue.put(("pdkv", job[1], tr._receive(rx, cache, job[1], job[2], pool_tokens)))
+        else:
+            queue.put(("ready", job[1], 0.0))
+            queue.put(("raw", job[1], _await_notifs(rx, job[1])))
+    rx.close()
+    cache.close()
+
+
+def _await_notifs(rx: KvReceiver, count: int) -> float:
+    """Poll the decode's agent (no pdkv in between) until ``count`` raw notifications
+    came; returns the monotonic time of the last."""
+    agent = rx.nixl.agent.agent
+    got = 0
+    while True:
+        for msgs in agent.get_new_notifs().values():
+            got += sum(m.startswith(b"raw") for m in msgs)
+        if got >= count:
+            return time.monotonic()
+        time.sleep(0.0001)  # a polite poller, as pdkv's (which waits in 1 ms slices)
+
+
+# -- prefill side --------------------------------------------------------------------------
+def _raw(tx: KvSender, cache: KvCache, nbytes: int, per_bytes: int, queue, cmd) -> float:
+    """Seconds for raw NIXL to move ``nbytes`` into the decode pool, ``per_bytes`` a write."""
+    channel = next(iter(tx.nixl.channels.values()))
+    agent, local, remote = channel.agent.agent, channel.local, channel.remote
+    page = local.page_bytes
+    src = agent.get_xfer_descs([(local.addr + page, per_bytes, local.dev)], local.mem)
+    dst = agent.get_xfer_descs([(remote.addr + page, per_bytes, remote.dev)], remote.mem)
+    writes = max(1, nbytes // per_bytes)
+    cmd.put(("raw", writes))
+    assert queue.get(timeout=60)[0] == "ready"
+    time.sleep(0.01)  # the child is polling by now
+    t0 = time.monotonic()
+    for i in range(writes):
+        handle = agent.initialize_xfer("WRITE", src, dst, channel.peer_agent, b"raw%d" % i)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        assert state == "DONE", state
+        agent.release_xfer_handle(handle)
+    kind, _, t_end = queue.get(timeout=600)
+    assert kind == "raw", kind
+    return t_end - t0
+
+
+def run_variant(variant: str, sizes: list[int], repeats: int, pool_tokens: int,
+                tmpdir: str) -> dict:
+    """Every figure of one NIXL variant; returns ``{tokens: {figure: value}}``."""
+    with _ucx_tls(VARIANTS[variant]):
+        cache = tr._cache(pool_tokens, "prefill")
+        cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
+        tx = KvSender(cache, f"ipc://{tmpdir}/nixl.sock", TransportConfig(node="prefill",
+                                                                           **CFG))
+        spawn = mp.get_context("spawn")
+        queue, cmd = spawn.Queue(), spawn.Queue()
+        proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, queue, cmd))
+        proc.start()
+    rows: dict = {}
+    while not tx.peers:  # handshake
+        tr._pump(tx, cache, tx.poll(0.02), rows)
+    assert list(tx.data_paths().values()) == ["nixl"], tx.data_paths()
+    page_bytes = tr.LAYOUT.page_bytes(tr.PAGE)
+    src = cache.data().view(torch.uint8).numpy().reshape(-1)
+    results = {}
+    for tokens in sizes:
+        nbytes = tokens * page_bytes // tr.PAGE
+        per_tokens, _ = tr._rounds(tokens, pool_tokens)
+        per_bytes = per_tokens * page_bytes // tr.PAGE
+        pdkv, raw = [], []
+        for repeat in range(repeats):
+            cmd.put(("pdkv", tokens, repeat))
+            pdkv.append(tr._await_pdkv(tx, cache, rows, queue))
+            raw.append(_raw(tx, cache, nbytes, per_bytes, queue, cmd))
+        part = src[:min(nbytes, per_bytes)]
+        mem = [tr._memcpy(np.ascontiguousarray(part), nbytes) for _ in range(repeats)]
+        results[tokens] = _figures(nbytes, pdkv, raw, mem)
+    cmd.put(None)
+    while proc.is_alive() and tx.peers and not all(p.lost for p in tx.peers.values()):
+        tr._pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
+    proc.join(30)
+    tx.close()
+    cache.close()
+    return results
+
+
+def _figures(nbytes: int, pdkv: list, raw: list, mem: list) -> dict:
+    gb = nbytes / 1e9
+    out = {"bytes": nbytes, "pdkv_gbps": gb / statistics.median(pdkv),
+           "raw_nixl_gbps": gb / statistics.median(raw),
+           "memcpy_gbps": gb / statistics.median(mem)}
+    out["ratio_vs_raw_nixl"] = out["pdkv_gbps"] / out["raw_nixl_gbps"]
+    out["ratio_vs_memcpy"] = out["pdkv_gbps"] / out["memcpy_gbps"]
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+    out["pdkv_spread_gbps"] = [round(gb / max(pdkv), 3), round(gb / min(pdkv), 3)]
+    out["raw_spread_gbps"] = [round(gb / max(raw), 3), round(gb / min(raw), 3)]
+    out["goal"] = f"pdkv >= {GOAL} x raw NIXL"
+    out["goal_met"] = out["ratio_vs_raw_nixl"] >= GOAL
+    return out
+
+
+def judge(report: dict, goals) -> None:
+    """Add one goal per NIXL row to ``goals`` (benchmarks.goals.Goals): pdkv / raw NIXL."""
+    for variant, sizes in report.items():
+        if variant not in VARIANTS:
+            continue
+        for tokens, r in sizes.items():
+            goals.at_least(f"{variant} at {tokens} tokens vs raw NIXL", r["ratio_vs_raw_nixl"],
+                           GOAL, baseline=f"raw NIXL {r['raw_nixl_gbps']:.2f} GB/s",
+                           measured=f"pdkv {r['pdkv_gbps']:.2f} GB/s")
+
+
+def print_table(report: dict) -> None:
+    rows = [(v, t, r) for v, sizes in report.items() if v in VARIANTS
+            for t, r in sizes.items()]
+    if not rows:
+        return
+    print(f"{'transport':9} {'tokens':>6} {'GiB':>5} {'pdkv':>6} {'rawnixl':>7} "
+          f"{'memcpy':>6} {'/raw':>5} {'/memcpy':>7}   (GB/s, medians; goal /raw >= {GOAL})")
+    for variant, tokens, r in rows:
+        print(f"{variant:9} {tokens:>6} {r['bytes'] / 2**30:5.2f} {r['pdkv_gbps']:6.2f} "
+              f"{r['raw_nixl_gbps']:7.2f} {r['memcpy_gbps']:6.2f} "
+              f"{r['ratio_vs_raw_nixl']:5.2f} {r['ratio_vs_memcpy']:7.2f}"
+              f"{'' if r['goal_met'] else '  MISS'}")
