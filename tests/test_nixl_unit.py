@@ -165,3 +165,53 @@ def test_nixl_required_without_nixl_names_the_install(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match=r"pip install 'pdkv\[nixl\]'"):
         KvReceiver(cache, config("d", kv_transport="nixl"))
     cache.close()
+
+
+class HeldNotifications:
+    """The decode's agent progresses as usual, but the notifications it takes are kept
+    from the receiver while ``closed`` (as if still on their way)."""
+
+    def __init__(self, monkeypatch, target):
+        self.closed, self.kept = True, []
+        take = target.notifications
+
+        def notifications():
+            self.kept += take()
+            if self.closed:
+                return []
+            out, self.kept = self.kept, []
+            return out
+        monkeypatch.setattr(target, "notifications", notifications)
+
+
+def test_a_done_that_overtakes_its_notifications_waits_for_them(pair, monkeypatch):
+    held = HeldNotifications(monkeypatch, pair.rx.nixl)
+    kv_p, kv_d = _rows(pair, "r1", 30)
+    pair.rx.announce("r1", kv_d, 30)
+    assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
+    pair.tx.finish("r1", kv_p, first_token=9)       # written at once (same host), Done sent
+    assert _poll_both(pair, 0.3) == []
+    assert pair.rx.stats["nixl_dones_deferred"] == 1 and pair.rx.num_pins == 1, (
+        dict(pair.rx.stats), dict(pair.tx.stats))
+    held.closed = False
+    events = _poll_both(pair, 2, lambda: "r1" not in pair.rx.transfers)
+    assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 9)]
+    assert torch.equal(read_row(pair.dc, kv_d, 0, 30), pattern(1, 30, pair.pc.layout, 0, 4))
+
+
+def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp_path,
+                                                                             monkeypatch):
+    p = Pair(tmp_path, kv_transport="nixl", chunk_timeout_s=0.5)
+    p.connect()
+    try:
+        HeldNotifications(monkeypatch, p.rx.nixl)
+        kv_p, kv_d = _rows(p, "r1", 30)
+        p.rx.announce("r1", kv_d, 30)
+        assert [e.kind for e in p.tx.poll(0.5)] == [EventKind.READY]
+        p.tx.finish("r1", kv_p, first_token=9)
+        events = _poll_both(p, 3, lambda: "r1" not in p.rx.transfers)
+        # no progress for chunk_timeout_s: the request fails, its pin goes, no hang
+        assert [(e.kind, e.reason) for e in events] == [(EventKind.FAILED, "timeout")]
+        assert p.rx.stats["nixl_dones_deferred"] == 1 and p.rx.num_pins == 0
+    finally:
+        p.close()
