@@ -15,7 +15,7 @@ import torch
 from tests.test_transport_unit import Pair
 from tests.transport_helpers import layout, make_cache, pattern, read_row, write_row
 from transport import EventKind, nixl
-from transport.messages import Ack, KvWritten, encode
+from transport.messages import Ack, Announce, KvWritten, encode, pages_to_bytes
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(bool(nixl.import_error()),
@@ -215,3 +215,18 @@ def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp
         assert p.rx.stats["nixl_dones_deferred"] == 1 and p.rx.num_pins == 0
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("dest", [[64, 3], [0, 3], [3, 3]])
+def test_an_announce_naming_pages_outside_the_registered_pool_writes_nothing(pair, dest):
+    """Issue 9 on the NIXL path: the prefill writes only into the pages the decode
+    allocated, inside its registered pool (64 pages: ids 1..63); an Announce naming others
+    is refused with bad_range/bad_field before anything is pinned or written."""
+    sock = next(iter(pair.rx.link.sockets.values()))
+    sock.send([encode(Announce(rid="m1", prompt_len=8, cached_tokens=0,
+                               dest_pages=pages_to_bytes(dest)))])
+    assert _poll_both(pair, 0.3) == []
+    assert pair.tx.stats["errors.bad_range"] + pair.tx.stats["errors.bad_field"] == 1
+    assert pair.rx.stats["errors_recv"] == 1
+    assert "m1" not in pair.tx.transfers and pair.tx.num_pins == 0
+    assert pair.tx.stats["nixl_writes"] == 0 and pair.rx.stats["nixl_writes_recv"] == 0

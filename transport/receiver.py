@@ -95,10 +95,11 @@ class KvReceiver:
         self.transfers: dict[str, Incoming] = {}
         self._parked: dict[str, _Parked] = {}   # announced to a group still connecting
         self.pool = PoolView(cache.data())
+        # before the context: a NIXL that cannot serve kv_transport=nixl raises here
+        self.nixl = target_for(config, cache, self.stats)  # None unless kv_transport asks
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         shm_name = cache.shared_memory_name() or ""
-        self.nixl = target_for(config, cache, self.stats)  # None unless kv_transport asks
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
                                      shm_pool=shm_name, shm_pages=cache.num_pages,
                                      shm_token=cache.shared_memory_token(),

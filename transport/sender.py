@@ -75,9 +75,10 @@ class KvSender:
         self.events = EventLog(self.stats)
         self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
         self.transfers: dict[str, Outgoing] = {}
+        # before the context: a NIXL that cannot serve kv_transport=nixl raises here
+        self.nixl = source_for(config, cache, self.stats)  # None unless kv_transport asks
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
-        self.nixl = source_for(config, cache, self.stats)  # None unless kv_transport asks
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill",
                                      nixl_offer=self.nixl and {
                                          "nixl_agent": self.nixl.agent.name})
