@@ -243,7 +243,7 @@ def _connect(tmp_path, prefill_mode: str, decode_mode: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("prefill_mode, decode_mode, path", [
-    ("auto", "auto", "nixl"), ("auto", "zmq", "zmq"), ("zmq", "auto", "zmq"),
+    ("auto", "auto", "nixl"), ("auto", "zmq", "ipc"), ("zmq", "auto", "ipc"),
     ("nixl", "auto", "nixl"), ("auto", "nixl", "nixl")])
 def test_negotiation_uses_nixl_only_when_both_offer_it(tmp_path, prefill_mode, decode_mode,
                                                        path):
@@ -261,7 +261,7 @@ def test_auto_falls_back_and_serves_over_zmq(tmp_path):
     """auto on one end, zmq on the other: the KV moves in frames, byte-exact."""
     prefill, decode, paths = _run_pair(_plan(4), tmp_path, {"kv_transport": "auto"},
                                        {"kv_transport": "zmq"})
-    assert list(paths[0].values()) == ["zmq"]
+    assert list(paths[0].values()) == ["ipc"]   # frames over the ipc socket
     assert decode["correct"] == {"a@0": True, "b@0": True, "c@0": True}
     assert sum(s.get("frames_sent", 0) for s in prefill["stats"]) > 0
     assert sum(s.get("nixl_writes", 0) for s in prefill["stats"]) == 0
