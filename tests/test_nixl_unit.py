@@ -201,7 +201,9 @@ def test_a_done_that_overtakes_its_notifications_waits_for_them(pair, monkeypatc
 
 def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp_path,
                                                                              monkeypatch):
-    p = Pair(tmp_path, kv_transport="nixl", chunk_timeout_s=0.5)
+    # the decode's chunk_timeout_s is 5 s (tests.transport_helpers.config); the prefill
+    # waits longer for its Ack, so that the decode's deadline is the one met
+    p = Pair(tmp_path, kv_transport="nixl", p_kw={"chunk_timeout_s": 60.0})
     p.connect()
     try:
         HeldNotifications(monkeypatch, p.rx.nixl)
@@ -209,7 +211,7 @@ def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp
         p.rx.announce("r1", kv_d, 30)
         assert [e.kind for e in p.tx.poll(0.5)] == [EventKind.READY]
         p.tx.finish("r1", kv_p, first_token=9)
-        events = _poll_both(p, 3, lambda: "r1" not in p.rx.transfers)
+        events = _poll_both(p, 20, lambda: "r1" not in p.rx.transfers)
         # no progress for chunk_timeout_s: the request fails, its pin goes, no hang
         assert [(e.kind, e.reason) for e in events] == [(EventKind.FAILED, "timeout")]
         assert p.rx.stats["nixl_dones_deferred"] == 1 and p.rx.num_pins == 0
