@@ -152,10 +152,16 @@ def test_a_peer_that_fell_back_from_shared_memory_shows_on_the_data_path_gauge(t
         client = Client(router, "test")
         status = _wait_ready(client, {"decode0", "prefill0", "prefill1"}, procs)
         _serve_at_once(client, 6)   # six at once: the router spreads them on both prefills
-        snap = parse(render(lambda: from_wire(loads(client.metrics(5.0))))[0].decode())
-        paths = by(snap, "pdkv_transfer_data_path", ("worker", "peer", "path"))
-        assert paths == {("decode0", "prefill0", "shm"): 1, ("decode0", "prefill1", "ipc"): 1,
-                         ("prefill0", "decode0", "shm"): 1, ("prefill1", "decode0", "ipc"): 1}
+        want = {("decode0", "prefill0", "shm"): 1, ("decode0", "prefill1", "ipc"): 1,
+                ("prefill0", "decode0", "shm"): 1, ("prefill1", "decode0", "ipc"): 1}
+        deadline = time.monotonic() + 10 * CFG.heartbeat_s + 5
+        while True:  # each worker's series are as of its last report (every heartbeat_s)
+            snap = parse(render(lambda: from_wire(loads(client.metrics(5.0))))[0].decode())
+            paths = by(snap, "pdkv_transfer_data_path", ("worker", "peer", "path"))
+            if paths == want or time.monotonic() > deadline:
+                break
+            time.sleep(CFG.heartbeat_s)
+        assert paths == want
         assert by(scrape(status.metrics_url), "pdkv_transfer_data_path",
                   ("worker", "peer", "path")) == paths
         top = subprocess.run([*cli, "top", "--router", router, "--once", "--interval", "0.3"],
