@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster(cfg, "disagg", 1, 1, threads=args.threads).start()
     runs: dict[str, list[dict]] = {"router": [], "http": []}
     try:
-        fe = frontend_process(cluster.router_addr)
+        fe = frontend_process(cluster.router_addr, "--auth-keys", str(cluster.keys_dir))
         with fe:
             for rep in range(args.repeats + 1):
                 order = ("router", "http") if rep % 2 else ("http", "router")

@@ -17,6 +17,7 @@ _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
 _FREELOG_POLICIES = ("pause", "exit")
 _KV_TRANSPORTS = ("zmq", "nixl", "auto")
+_KV_SECURITY = ("curve", "plain")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class ServeConfig:
     above on one host), nixl (NIXL WRITEs into the decode's registered pool; needs
     ``pdkv[nixl]`` on every worker, else the handshake fails and names the side), auto
     (NIXL where both ends have it, else zmq). Control always rides ZMQ."""
+    kv_security: str = "curve"
+    """How KV connections authenticate in a deployment with keys: ``curve`` (encrypted
+    and authenticated) or ``plain`` (authenticated by a per-deployment password, KV bytes in the
+    clear: only on a private data network; docs/security.md). Without keys: neither."""
     max_new_tokens_limit: int = 2048
     """Largest max_new_tokens a request may ask for."""
     transport: str = "ipc"
@@ -145,6 +150,8 @@ class ServeConfig:
         if self.kv_transport not in _KV_TRANSPORTS:
             raise ValueError(f"kv_transport={self.kv_transport!r}; allowed: "
                              f"{_KV_TRANSPORTS}")
+        if self.kv_security not in _KV_SECURITY:
+            raise ValueError(f"kv_security={self.kv_security!r}; allowed: {_KV_SECURITY}")
         for name in ("page_size", "max_rows", "chunk_size", "max_running",
                      "max_new_tokens_limit"):
             if getattr(self, name) < 1:

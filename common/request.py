@@ -236,6 +236,9 @@ class Request:
     prefill: str = ""
     """Decode: the prefill worker computing the prompt; empty when colocated."""
     prefill_addr: str = ""
+    cap: str = ""
+    """Decode: the request's KV capability from the router (``Req.cap``); the announce
+    carries it, and the prefill sends KV only to the peer that proved it."""
     eager: bool = False
     """Prefill: compute before the decode announced (the router saw room there)."""
     announced: bool = False

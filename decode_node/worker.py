@@ -60,7 +60,7 @@ class DecodeWorker(WorkerBase):
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
             handshake_timeout_s=cfg.lease_s, shared_memory=cfg.shared_memory,
-            kv_transport=cfg.kv_transport), ctx=self.ctx)
+            kv_transport=cfg.kv_transport), ctx=self.ctx, auth=self.kv_auth)
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
 
@@ -79,7 +79,8 @@ class DecodeWorker(WorkerBase):
             self.send(Done(rid, "error", error=str(exc)))
             return
         self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
-                                       prefill=msg.prefill, prefill_addr=msg.prefill_addr))
+                                       prefill=msg.prefill, prefill_addr=msg.prefill_addr,
+                                       cap=msg.cap))
 
     def on_abort(self, rid: str) -> None:
         req = self.scheduler.find(rid)
@@ -103,7 +104,7 @@ class DecodeWorker(WorkerBase):
             try:
                 group = self._group(req.prefill, req.prefill_addr)
                 self.receiver.announce(req.rid, req.kv, req.prompt_len, req.num_computed,
-                                       group)
+                                       group, cap=req.cap)
             except Exception as exc:  # contained: this request fails, the worker serves on
                 logger.error("%s: %s cannot reach prefill %s: %s", self.name, req.rid,
                              req.prefill, exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -126,12 +127,18 @@ def _add_bench(sub) -> None:
                    help="transports to measure (default: tcp ipc shm; shm = shared-memory "
                         "pool; nixl = NIXL WRITEs vs raw NIXL, UCX's choice; nixl-tcp = "
                         "UCX_TLS=tcp; both need pdkv[nixl])")
+    t.add_argument("--kv-security", nargs="+", choices=["none", "plain", "curve"],
+                   default=["none"], metavar="MODE",
+                   help="KV-plane authentication to measure for each transport: none, "
+                        "plain (authenticated, frames in the clear), curve (encrypted); "
+                        "rows other than none report ratio_vs_none (default none)")
     t.add_argument("--pool-tokens", type=int,
                    help="pool size in tokens; larger requests move as several pool-sized "
                         "requests (default 8192, 2048 with --quick)")
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
     _add_bench_replay(bench)
+    _add_bench_security(bench)
     _add_bench_serve(bench)
     _add_bench_frontdoor(bench)
     _add_bench_spec(bench)
@@ -237,6 +244,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="KV data path: zmq (default: frames, or shared memory on one "
                         "host), nixl (required: needs pdkv[nixl] on every worker), auto "
                         "(nixl where both ends have it)")
+    g.add_argument("--kv-security", choices=["curve", "plain"],
+                   help="KV connections: curve (default: encrypted and authenticated) or "
+                        "plain (authenticated, KV bytes in the clear: a private data "
+                        "network only; docs/security.md)")
     g.add_argument("--debug-integrity", action="store_true", default=None,
                    help="workers run check_integrity() whenever idle")
     g.add_argument("--prefill-tp", type=int, metavar="N",
@@ -350,8 +361,10 @@ def _add_run(sub) -> None:
                         "started with pdkv router/prefill/decode, e.g. on several hosts)")
     p.add_argument("--shutdown", action="store_true",
                    help="with --router: stop the deployment afterwards and replay the free "
-                        "logs found in --log-dir")
+                        "logs found in --log-dir (needs an operator identity)")
     _add_metrics_flags(p)
+    _add_auth_flags(p, None, "with --router: the deployment's key directory; otherwise "
+                         "use it instead of the fresh keys made for this run")
     _add_workload_flags(p, 64)
     _add_config_flags(p)
     p.set_defaults(func=_run_run)
@@ -396,6 +409,10 @@ def _add_serve(sub) -> None:
                "2 a process died, did not start, or the port is taken.")
     _add_deployment_flags(p)
     _add_http_flags(p)
+    g = p.add_argument_group("authentication (docs/security.md)")
+    g.add_argument("--auth-keys", metavar="DIR", default=os.environ.get("PDKV_AUTH_KEYS"),
+                   help="use this key directory instead of the fresh keys made for this "
+                        "run (default $PDKV_AUTH_KEYS)")
     _add_config_flags(p)
     p.set_defaults(func=_run_serve)
 
@@ -409,6 +426,8 @@ def _add_frontend(sub) -> None:
         epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken.")
     p.add_argument("--router", required=True, metavar="ADDR",
                    help="the router's address, e.g. tcp://router-host:5555")
+    _add_auth_flags(p, "client", "the deployment's key directory (the front door is a "
+                                 "client of the router)")
     _add_http_flags(p)
     p.set_defaults(func=_run_frontend)
 
@@ -445,6 +464,7 @@ def _add_top(sub) -> None:
                    help="print one frame and exit (scripts, logs)")
     p.add_argument("--timeout", type=float, default=2.0, metavar="S",
                    help="deadline of each read (default 2)")
+    _add_auth_flags(p, "client", "with --router: the deployment's key directory")
     p.set_defaults(func=_run_top)
 
 
@@ -452,6 +472,17 @@ def _run_top(args: argparse.Namespace) -> int:
     from deploy.top_cli import main as top_main
 
     return top_main(args)
+
+
+def _add_auth_flags(p: argparse.ArgumentParser, identity: str | None, what: str) -> None:
+    g = p.add_argument_group("authentication (docs/security.md)")
+    g.add_argument("--auth-keys", metavar="DIR", default=os.environ.get("PDKV_AUTH_KEYS"),
+                   help=f"{what} (made by pdkv keys create; default $PDKV_AUTH_KEYS). "
+                        "Without keys nothing is authenticated and only loopback or a "
+                        "private ipc directory may be bound")
+    g.add_argument("--identity", metavar="NAME", default=identity,
+                   help="identity of the key directory to run as (default "
+                        f"{identity or 'operator with --shutdown, else client'})")
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:
@@ -463,10 +494,17 @@ def _add_router(sub) -> None:
     p = sub.add_parser("router", help="start the router (front door) alone",
                        description="Bind the router; workers register with it (pdkv prefill/"
                                    "decode --router ADDR) and take its serving config.")
-    p.add_argument("--bind", default="tcp://0.0.0.0:5555",
-                   help="address to bind (default tcp://0.0.0.0:5555)")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                   help="address to bind (default tcp://127.0.0.1:5555; any other host "
+                        "needs --auth-keys)")
     _add_config_source(p, "default: the embedded default")
     _add_metrics_flags(p)
+    g = p.add_argument_group("authentication (docs/security.md)")
+    g.add_argument("--auth-keys", metavar="DIR", default=os.environ.get("PDKV_AUTH_KEYS"),
+                   help="the deployment's key directory (made by pdkv keys create; default "
+                        "$PDKV_AUTH_KEYS): the router admits exactly its identities. "
+                        "Without keys nothing is authenticated and only loopback or a "
+                        "private ipc directory may be bound")
     _add_log_level(p)
     p.set_defaults(func=_run_router)
 
@@ -513,6 +551,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="the group's rendezvous, on rank 0's host; the same for every rank")
     g.add_argument("--tp-timeout-s", type=float, default=30.0, metavar="S",
                    help="deadline of the rendezvous and of every collective (default 30)")
+    _add_auth_flags(p, "worker", "the deployment's key directory")
     _add_log_level(p)
     p.set_defaults(func=_run_worker)
 
@@ -522,8 +561,10 @@ def _add_prefill(sub) -> None:
                        description="Register with the router, bind the KV sender, serve "
                                    "chunked prefill and stream KV to decode workers.")
     _add_worker_flags(p)
-    p.add_argument("--kv-bind", default="tcp://0.0.0.0:5600",
-                   help="address the KV sender binds (default tcp://0.0.0.0:5600)")
+    p.add_argument("--kv-bind", default="tcp://127.0.0.1:5600",
+                   help="address the KV sender binds (default tcp://127.0.0.1:5600; "
+                        "decodes on other hosts need e.g. tcp://0.0.0.0:5600 and "
+                        "--auth-keys)")
     p.add_argument("--kv-advertise", default="",
                    help="address decode workers connect to (default: the bound address; set "
                         "it to tcp://<this-host>:<port> when binding 0.0.0.0)")
@@ -548,6 +589,36 @@ def _run_worker(args: argparse.Namespace) -> int:
     from deploy.processes import run_worker
 
     return run_worker(args)
+
+
+def _add_bench_security(bench) -> None:
+    p = bench.add_parser(
+        "security", help="TTFT without authentication, with authenticated-only KV, and "
+                         "with encrypted KV",
+        description="Serve one seeded workload through 1P1D three times, KV in tcp frames: "
+                    "no keys (none), CURVE control plane with PLAIN KV (plain), CURVE "
+                    "everywhere (curve, the default with keys). Report TTFT p50/p99 and the "
+                    "exposed KV transfer, each against none. Defaults here: --model small "
+                    "--prompt-len 256 1024 --output-len 2 4 --rate 2. See docs/security.md.",
+        epilog="exit status: 0; 1 when plain's TTFT p50 exceeds --goal times none's or a "
+               "request failed (unless --report-only).")
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians (default 3)")
+    p.add_argument("--goal", type=float, default=1.15, metavar="RATIO",
+                   help="most plain TTFT p50 / none TTFT p50 (default 1.15)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--json", action="store_true", help="print results as one JSON object")
+    p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
+    _add_workload_flags(p, 16)
+    _add_config_flags(p)
+    # long prompts and few outputs, on a model with KV worth moving: TTFT is the point
+    p.set_defaults(func=_run_bench_security, model="small", prompt_len=[256, 1024],
+                   output_len=[2, 4], rate=2.0)
+
+
+def _run_bench_security(args: argparse.Namespace) -> int:
+    from benchmarks.security import main as security_main
+
+    return security_main(args)
 
 
 def _add_bench_serve(bench) -> None:

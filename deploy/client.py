@@ -10,6 +10,8 @@ from common.codec import pack_ids
 from common.node import (
     Abort,
     Bye,
+    Error,
+    Keys,
     Link,
     Malformed,
     Message,
@@ -21,6 +23,7 @@ from common.node import (
     Status,
     StatusReport,
     Submit,
+    control_client,
 )
 
 
@@ -30,12 +33,25 @@ class Client:
     ``poll`` returns the router's messages: ``Tokens`` (rid, ids, first), ``Done`` (rid,
     reason, n, error, xfer_s, kv_bytes) and ``Error`` (rid, error, code) for refused
     requests and messages (``common.node.control``).
+
+    Args:
+        address: the router's address.
+        name: prefix of the connection's routing id (the router's logs).
+        keys: the deployment's key directory (CURVE); None: no keys (loopback routers).
+        identity: the identity to authenticate as: a ``client`` (submit, abort its own
+            requests, status) or an ``operator`` (also shutdown and any abort).
     """
 
-    def __init__(self, address: str, name: str = "client") -> None:
+    def __init__(self, address: str, name: str = "client", keys: Keys | None = None,
+                 identity: str = "client") -> None:
         self.address = address
         self.ctx = zmq.Context()
-        self.link = Link(self.ctx, address, name)
+        self.keyed = keys is not None
+        try:
+            self.link = Link(self.ctx, address, name, control_client(keys, identity))
+        except BaseException:
+            self.ctx.term()
+            raise
         self.last_heard = time.monotonic()
         """When the router last said anything (its liveness, as the client sees it)."""
         self.run = ""
@@ -96,6 +112,7 @@ class Client:
 
         Raises:
             TimeoutError: no answer within ``timeout_s``.
+            PermissionError: the router refused ``msg`` for our identity.
         """
         self.link.send(msg)
         nonce = getattr(msg, "nonce", None)
@@ -108,10 +125,14 @@ class Client:
             if isinstance(got, answer):
                 if nonce is None or got.nonce == nonce:
                     return got
+            elif isinstance(got, Error) and got.code == "forbidden" and not got.rid:
+                raise PermissionError(f"router refused {type(msg).__name__}: {got.error}")
             else:
                 self._backlog.append(got)
+        hint = "" if self.keyed else (" (we have no keys: a router started with --auth-keys "
+                                      "answers nothing to us)")
         raise TimeoutError(f"the router at {self.address} did not answer "
-                           f"{type(msg).__name__} within {timeout_s}s; is it running?")
+                           f"{type(msg).__name__} within {timeout_s}s; is it running?{hint}")
 
     def status(self, timeout_s: float = 1.0) -> StatusReport:
         return self.request(Status(self._nonce()), StatusReport, timeout_s)

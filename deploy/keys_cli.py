@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.node import Keys, KeysError
-from common.node import keys as keydir
+from common.node import Keys, KeysError, add_key, create_keys, export_keys
 
 _HOSTS = """\
 Copy to each host only what it needs (pdkv keys export {dir} --for NAME OUT):
@@ -61,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    deployment = keydir.create(args.dir, clients=args.clients)
+    deployment = create_keys(args.dir, clients=args.clients)
     print(f"created {args.dir}: deployment {deployment}, identities "
           f"{', '.join(Keys(args.dir).names())}")
     print(_HOSTS.format(dir=args.dir))
@@ -69,13 +68,13 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
-    pair = keydir.add(args.dir, args.name)
+    pair = add_key(args.dir, args.name)
     print(f"added {pair.name} to {args.dir}; the router admits it after a restart")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    keydir.export(args.dir, args.names, args.out)
+    export_keys(args.dir, args.names, args.out)
     print(f"exported {', '.join(args.names)} to {args.out}")
     return 0
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ServeConfig
-from common.node import role_tp
+from common.node import Keys, create_keys, role_tp
 from deploy.client import Client
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,10 @@ class Cluster:
         devices: devices assigned round-robin to workers (``cpu``, ``cuda:0``, ...).
         log_dir: free logs and process logs; a temporary directory when None.
         threads: torch threads per worker.
+        keys_dir: the deployment's key directory; None: a fresh one for this run, made in
+            the private socket directory and removed with it.
+        secure: False runs without keys (no authentication; loopback only): the
+            baseline that ``pdkv bench`` measures authentication against.
         metrics_port: the router serves the deployment's metrics over HTTP on this port
             of ``metrics_host`` (0: a free port; ``metrics_url`` says which); None: not.
 
@@ -100,6 +104,7 @@ class Cluster:
     def __init__(self, config: ServeConfig, mode: str = "disagg", num_prefill: int = 1,
                  num_decode: int = 1, devices: list[str] | None = None,
                  log_dir: str | None = None, threads: int = 1,
+                 keys_dir: str | None = None, secure: bool = True,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         if mode not in ("disagg", "colocated"):
             raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
@@ -117,7 +122,12 @@ class Cluster:
         self._tmp_logs = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdkv-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="pdkv-sock-"))
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="pdkv-sock-"))  # 0700
+        self.keys_dir: Path | None = None
+        if secure:
+            self.keys_dir = Path(keys_dir) if keys_dir else self.sock_dir / "keys"
+            if not keys_dir:
+                create_keys(self.keys_dir)
         self.threads = threads
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.metrics_url = ""
@@ -136,11 +146,12 @@ class Cluster:
 
     def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
         base = [sys.executable, "-m", "deploy.cli"]
+        auth = ["--auth-keys", str(self.keys_dir)] if self.keys_dir else []
         cfg_json = json.dumps(self.config.to_dict())
         metrics = [] if self.metrics_port is None else [
             "--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host]
         procs = [Proc("router", "router", [*base, "router", "--bind", self.router_addr,
-                                           "--config-json", cfg_json, *metrics],
+                                           "--config-json", cfg_json, *metrics, *auth],
                       self.log_dir / "router.log")]
         roles = ([("prefill", f"prefill{i}") for i in range(num_prefill)]
                  + [("decode", f"decode{i}") for i in range(num_decode)]
@@ -155,7 +166,7 @@ class Cluster:
             for rank in range(tp):
                 argv = [*base, role, "--router", self.router_addr, "--name", name,
                         "--device", self.devices[device % len(self.devices)], "--log-dir",
-                        str(self.log_dir), "--threads", str(self.threads), *ranks]
+                        str(self.log_dir), "--threads", str(self.threads), *ranks, *auth]
                 device += 1
                 if rank:  # a follower rank: no router registration, a log of its own
                     procs.append(Proc(f"{name}.tp{rank}", RANK, [*argv, "--tp-rank",
@@ -183,7 +194,8 @@ class Cluster:
         try:
             for p in self.procs:
                 self._spawn(p)
-            self.client = Client(self.router_addr, "launcher")
+            keys = Keys(self.keys_dir) if self.keys_dir else None
+            self.client = Client(self.router_addr, "launcher", keys, identity="operator")
             self._wait_ready(progress=progress)
         except BaseException:
             self.stop()

@@ -2,7 +2,8 @@
 
 Each sets up logging and threads, builds its object, serves until shutdown and returns an
 exit status: 0 after a clean shutdown, 3 when the router was lost, 4 when a free log
-could not write and ``freelog_on_error`` is ``exit``, 1 on an error (logged with its
+could not write and ``freelog_on_error`` is ``exit``, 2 when its keys are unusable or it
+may not bind where asked (said in one line), 1 on an error (logged with its
 traceback). SIGTERM and SIGINT end the loop through the same clean path: rows
 freed, free log closed.
 """
@@ -40,16 +41,28 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         getattr(args, "config_json", None) else DEFAULT
 
 
+def _keys(args: argparse.Namespace):
+    """The deployment's key directory (``--auth-keys`` or ``PDKV_AUTH_KEYS``), or None."""
+    from common.node import Keys
+    return Keys(args.auth_keys) if getattr(args, "auth_keys", None) else None
+
+
 def run_router(args: argparse.Namespace) -> int:
     _setup(args)
+    from common.node import InsecureBind, KeysError
     from deploy.router import serve_router
-    return serve_router(args.bind, _config(args), args.metrics_host, args.metrics_port)
+    try:
+        return serve_router(args.bind, _config(args), _keys(args), args.metrics_host,
+                            args.metrics_port)
+    except (KeysError, InsecureBind) as exc:
+        logger.error("router: %s", exc)
+        return 2
 
 
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
-    from common.node import FreeLogFailed, RouterLost, TpSpec, run_follower
+    from common.node import FreeLogFailed, InsecureBind, KeysError, RouterLost, TpSpec, run_follower
     from deploy.run import check_devices
     check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"
@@ -73,6 +86,9 @@ def run_worker(args: argparse.Namespace) -> int:
     except FreeLogFailed as exc:
         logger.error("%s", exc)
         return 4
+    except (KeysError, InsecureBind) as exc:
+        logger.error("%s: %s", name, exc)
+        return 2
     except (KeyboardInterrupt, SystemExit) as exc:
         logger.info("%s: stopped by signal (%s)", name, exc)
         return 0
@@ -88,12 +104,15 @@ def _build(args: argparse.Namespace, name: str, tp=None):
              (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
     common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
                   register_timeout_s=getattr(args, "connect_timeout", 60.0),
-                  local_models=local)
+                  local_models=local, keys=_keys(args), identity=args.identity)
     if tp is not None and tp.size > 1 and args.command != "colocated":
         raise ValueError(f"--tp-size {tp.size}: tensor-parallel {args.command} workers are "
                          "not built yet; colocated workers are (docs/cluster.md)")
     if args.command == "prefill":
+        from common.node import check_bind
         from prefill_node.worker import PrefillWorker
+        # say it now, not after registering: without keys the KV port must stay private
+        check_bind(args.kv_bind, secured=common["keys"] is not None)
         return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, **common)
     if args.command == "decode":
         from decode_node.worker import DecodeWorker

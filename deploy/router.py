@@ -12,12 +12,19 @@ Clients and workers connect DEALER sockets to the router's one ROUTER socket
    the prefill reported its transfer (or a short grace period passed);
 5. forwards client aborts to both workers; an unknown rid is an error to the client;
 6. fails requests of a worker silent past the lease, and requests past their deadline.
+
+With a key directory every peer authenticates with CURVE and the router checks what its
+identity may do (``deploy.roles``, docs/security.md): workers of this deployment only
+about requests it gave them, clients only about their own requests, shutdown only by an
+operator. Each request gets a KV capability that only its two workers learn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +40,7 @@ from common.node import (
     Done,
     Error,
     Hub,
+    Keys,
     Load,
     Malformed,
     Message,
@@ -52,10 +60,13 @@ from common.node import (
     StatusReport,
     Submit,
     Tokens,
+    control_server,
+    kv_plane,
 )
 from common.request import BadRequest, SamplingParams
 from deploy.door import Door
 from deploy.placement import WorkerInfo, admits_at_once, pick
+from deploy.roles import is_operator, may_send
 from deploy.router_metrics import RouterMetrics
 from deploy.routes import Route, RouteTable
 
@@ -66,16 +77,33 @@ _WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
 
 
 class Router:
-    """The router's state and message handlers; ``serve`` runs its loop."""
+    """The router's state and message handlers; ``serve`` runs its loop.
+
+    Args:
+        address: where to bind (without ``keys`` only loopback or a private ipc path), or
+            a ``ControlHub`` already made (tests).
+        config: the deployment's config, handed to every worker.
+        keys: the deployment's key directory (CURVE on every peer); None: no keys.
+        metrics_host, metrics_port: serve the deployment's metrics over HTTP there.
+    """
 
     def __init__(self, address: str | ControlHub, config: ServeConfig,
-                 metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> None:
-        """``address``: where to bind, or a ``ControlHub`` already made (tests)."""
+                 keys: Keys | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> None:
         self.config = config
         self.door = Door(config)
+        self.deployment = keys.deployment_id if keys else ""
+        self.kv_auth = kv_plane(keys, config.kv_security)
         self.ctx = zmq.Context()
-        self.hub = address if isinstance(address, ControlHub) else Hub(self.ctx, address)
+        try:
+            self.hub = address if isinstance(address, ControlHub) else Hub(
+                self.ctx, address, control_server(keys))
+        except BaseException:
+            self.ctx.term()
+            raise
         self.address = self.hub.address
+        self.identities: dict[bytes, str] = {}
+        """Peer routing id -> the identity it authenticated as (first message)."""
         self.workers: dict[str, WorkerInfo] = {}
         self.by_peer: dict[bytes, str] = {}
         self.routes = RouteTable()
@@ -97,7 +125,13 @@ class Router:
 
     # -- loop ----------------------------------------------------------------------------
     def serve(self) -> None:
-        logger.info("router: listening at %s", self.address)
+        if self.deployment:
+            logger.info("router: listening at %s (deployment %s, CURVE; KV plane %s)",
+                        self.address, self.deployment, self.kv_auth.mechanism)
+        else:
+            logger.warning("router: listening at %s WITHOUT authentication (no --auth-keys): "
+                           "any local process may act as any worker or client",
+                           self.address)
         try:
             while not self._shutdown_complete():
                 item = self.hub.recv(0.05)
@@ -110,12 +144,15 @@ class Router:
             self.hub.close()
             self.ctx.term()
 
-    def dispatch(self, peer: bytes, msg: Message | Malformed) -> None:
-        """Handle one message; whatever a peer sends, the router answers and serves on."""
+    def dispatch(self, peer: bytes, msg: Message | Malformed, identity: str = "") -> None:
+        """Handle one message from ``peer``, authenticated as ``identity`` ('' without
+        keys); whatever a peer sends, the router answers and serves on."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._refuse(peer, getattr(msg, "rid", ""), "unexpected",
                          f"the router does not take {type(msg).__name__}")
+            return
+        if not self._authorized(peer, msg, identity):
             return
         name = self.by_peer.get(peer)
         if name is not None and self.workers[name].lost and not isinstance(msg, Register):
@@ -131,6 +168,25 @@ class Router:
                          f"{type(msg).__name__} from a peer that did not register")
             return
         handler(peer, msg)
+
+    def _authorized(self, peer: bytes, msg: Message | Malformed, identity: str) -> bool:
+        """The sender's identity may send this kind of message, and is the one this
+        routing id first came with (docs/security.md)."""
+        first = self.identities.setdefault(peer, identity)
+        if first != identity:
+            self._forbid(peer, msg, f"routing id {peer!r} belongs to {first!r}, not "
+                         f"{identity!r}")
+            return False
+        if not may_send(identity, type(msg)):
+            self._forbid(peer, msg, f"identity {identity!r} may not send "
+                         f"{type(msg).__name__}")
+            return False
+        return True
+
+    def _forbid(self, peer: bytes, msg: Message | Malformed, why: str) -> None:
+        """Refuse and count a message its sender may not send; nothing else changes."""
+        self.errors[f"forbidden.{type(msg).__name__}"] += 1
+        self._refuse(peer, getattr(msg, "rid", ""), "forbidden", why)
 
     def _refuse(self, peer: bytes, rid: str, code: str, error: str) -> None:
         self.errors[code] += 1
@@ -160,6 +216,15 @@ class Router:
 
     # -- workers -------------------------------------------------------------------------
     def _on_register(self, peer: bytes, msg: Register) -> None:
+        if not hmac.compare_digest(msg.deployment, self.deployment):
+            self._forbid(peer, msg, f"deployment {msg.deployment!r} is not this router's "
+                         f"({self.deployment!r}): start the worker with this deployment's "
+                         "--auth-keys")
+            return
+        if self.by_peer.get(peer, msg.name) != msg.name:   # one connection, one worker
+            self._forbid(peer, msg, f"this connection registered already as "
+                         f"{self.by_peer[peer]!r}")
+            return
         old = self.workers.get(msg.name)
         if msg.role not in ("prefill", "decode", "colocated"):
             self._refuse(peer, "", "refused", f"role {msg.role!r} refused; roles: prefill, "
@@ -183,7 +248,8 @@ class Router:
         self.workers[msg.name] = WorkerInfo(msg.name, msg.role, peer, msg.pid,
                                             last_seen=time.monotonic())
         self.by_peer[peer] = msg.name
-        self.hub.send(peer, Registered(self.config.to_dict()))
+        self.hub.send(peer, Registered(self.config.to_dict(), self.deployment,
+                                       self.kv_auth.to_dict()))
         logger.info("router: %s registered as %s (pid %s)", msg.name, msg.role, msg.pid)
 
     def _on_ready(self, peer: bytes, msg: Ready) -> None:
@@ -214,17 +280,24 @@ class Router:
     def _on_metrics_query(self, peer: bytes, msg: MetricsQuery) -> None:
         self.hub.send(peer, MetricsSnapshot(self.metrics.snapshot()))
 
-    def _route_of(self, peer: bytes, rid: str, role: str) -> Route | None:
-        """The route ``rid`` if the worker at ``peer`` serves it as ``role``; a late or
-        stray report (a request that ended, a worker of a past incarnation) is dropped."""
-        route = self.routes.get(rid)
-        if route is None or self.by_peer.get(peer) != getattr(route, role):
+    def _route_of(self, peer: bytes, msg: Tokens | Done | Prefilled, role: str
+                  ) -> Route | None:
+        """The route ``msg`` is about, if its sender is that route's ``role`` worker. A
+        rid that already ended (a late report) is dropped and counted ``stray_report``;
+        one given to another worker is forbidden (refused and counted; the route goes on
+        untouched)."""
+        route = self.routes.get(msg.rid)
+        if route is None:
             self.errors["stray_report"] += 1
+            return None
+        if self.by_peer.get(peer) != getattr(route, role):
+            self._forbid(peer, msg, f"{msg.rid!r} was not given to "
+                         f"{self.by_peer.get(peer)!r} as its {role}")
             return None
         return route
 
     def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
-        route = self._route_of(peer, msg.rid, "decode")
+        route = self._route_of(peer, msg, "decode")
         if route is None:
             return
         self.metrics.tokens(route.rid, len(msg.ids))
@@ -248,7 +321,7 @@ class Router:
         return dataclasses.replace(msg, ids=ids, text=text)
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
-        route = self._route_of(peer, msg.rid, "decode")
+        route = self._route_of(peer, msg, "decode")
         if route is None or route.decode_done is not None:
             return
         route.decode_done = msg
@@ -259,7 +332,7 @@ class Router:
         self._maybe_finalize(route)
 
     def _on_prefilled(self, peer: bytes, msg: Prefilled) -> None:
-        route = self._route_of(peer, msg.rid, "prefill")
+        route = self._route_of(peer, msg, "prefill")
         if route is None or route.prefill_info is not None:
             return
         route.prefill_info = msg
@@ -283,6 +356,7 @@ class Router:
 
     def _route(self, route: Route, prompt: list[int], params: SamplingParams,
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+        route.cap = secrets.token_hex(16)  # KV only to these two workers (docs/security.md)
         self.routes.add(route)
         self.metrics.submitted(route.rid, route.t_submit)
         eager = admits_at_once(decode, route.row_len, self.config)
@@ -290,7 +364,7 @@ class Router:
         decode.routed += 1
         req = Req(route.rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
                   prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
-                  eager=eager, label=route.label)
+                  eager=eager, label=route.label, cap=route.cap)
         self._send_worker(decode.name, req)
         if prefill is not None:
             prefill.assigned += len(prompt)
@@ -298,10 +372,15 @@ class Router:
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
         route = self.routes.of_client(peer, msg.rid)
+        if route is None and is_operator(self.identities.get(peer, "")):
+            route = self.routes.get(msg.rid)  # an operator aborts by the router's id
         if route is None:
             self.errors["unknown_rid"] += 1
             self.hub.send(peer, Error(msg.rid, f"abort: unknown rid {msg.rid!r} (not in "
                                       "flight)", "unknown_rid"))
+            return
+        if route.client != peer and not is_operator(self.identities.get(peer, "")):
+            self._forbid(peer, msg, f"abort: {msg.rid!r} was submitted by another client")
             return
         route.aborted_by_client = True
         for name in (route.decode, route.prefill):
@@ -313,7 +392,9 @@ class Router:
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
                               "paused": w.paused} for w in self.workers.values()},
             in_flight=len(self.routes), config=self.config.to_dict(),
-            errors=dict(self.errors), metrics_url=self.metrics.url, nonce=msg.nonce))
+            errors={**self.errors, **({"unauthenticated": self.hub.refused}
+                                      if self.hub.refused else {})},
+            metrics_url=self.metrics.url, nonce=msg.nonce))
 
     def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
         logger.info("router: shutdown requested")
@@ -404,9 +485,9 @@ class Router:
         return False
 
 
-def serve_router(address: str, config: ServeConfig, metrics_host: str = "127.0.0.1",
-                 metrics_port: int | None = None) -> int:
-    """Body of ``pdkv router``: serve until a client asks for shutdown; with
+def serve_router(address: str, config: ServeConfig, keys: Keys | None = None,
+                 metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
+    """Body of ``pdkv router``: serve until an operator asks for shutdown; with
     ``metrics_port``, serve the deployment's metrics at ``http://host:port/metrics``."""
-    Router(address, config, metrics_host, metrics_port).serve()
+    Router(address, config, keys, metrics_host, metrics_port).serve()
     return 0

@@ -44,6 +44,8 @@ class Route:
     aborted_by_client: bool = False
     text: TextRoute | None = None
     """A text request: its detokenizer and stop strings."""
+    cap: str = ""
+    """The KV capability only this request's decode and prefill get (docs/security.md)."""
 
     def final(self) -> Done:
         """The client's ``Done``: the decode's, with the prefill's figures and words (and,

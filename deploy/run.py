@@ -12,6 +12,7 @@ from pathlib import Path
 
 from common.config import DEFAULT, ConfigError, ServeConfig, resolve_model
 from common.freelog import UnreadableLog, replay_file
+from common.node import KeysError
 from deploy.cluster.commands import make_cluster
 from deploy.driver import Result, drive, router_lost
 from deploy.launcher import Cluster, WorkerDied
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 _FLAG_FIELDS = ("dtype", "page_size", "prefill_pages", "decode_pages", "chunk_size",
                 "max_running", "transport", "debug_integrity", "spec_k", "offload",
                 "host_pages", "overcommit", "prefix_load_timeout_s", "prefill_tp",
-                "decode_tp", "tp_timeout_s", "kv_transport")
+                "decode_tp", "tp_timeout_s", "kv_transport", "kv_security")
 _FLAG_OF = {"model": "--model", "model_path": "--model", "draft_model_path": "--draft-model"}
 
 
@@ -196,8 +197,8 @@ def main(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     check_devices(devices)
     try:
-        cluster = make_cluster(args, cfg, devices, metrics_port=args.metrics_port,
-                               metrics_host=args.metrics_host)
+        cluster = make_cluster(args, cfg, devices, keys_dir=args.auth_keys,
+                               metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except ValueError as exc:
         print(f"pdkv run: {exc}", file=sys.stderr)
         return 2
@@ -214,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
         if progress:
             sys.stderr.write(f"\npdkv run: {layout} ready, sending {spec.requests} requests\n")
         results, stats, wall = serve_workload(cluster, spec, progress, into=results)
-    except (WorkerDied, TimeoutError, RuntimeError) as exc:  # RuntimeError: Ray placement
+    except (WorkerDied, TimeoutError, RuntimeError) as exc:  # Ray placement, KeysError
         cluster.stop()
         _write_output(args, results)
         finished = sum(1 for r in results.values() if r.reason)
@@ -242,9 +243,16 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
 
     The summary covers this run only: figures come from this run's requests; figures
     that need the workers' counters (which span the deployment's lifetime) say n/a."""
+    from common.node import Keys
     from deploy.client import Client
 
-    client = Client(args.router, "pdkv-run")
+    identity = args.identity or ("operator" if args.shutdown else "client")
+    try:
+        client = Client(args.router, "pdkv-run", Keys(args.auth_keys) if args.auth_keys
+                        else None, identity)
+    except KeysError as exc:
+        print(f"pdkv run: {exc}", file=sys.stderr)
+        return 2
     results: dict[str, Result] = {}
     try:
         status = client.status(10.0)
@@ -260,7 +268,7 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
             print(f"pdkv run: FAILED: {lost}", file=sys.stderr)
             return 2
         stats = client.shutdown() if args.shutdown else {}
-    except TimeoutError as exc:
+    except (TimeoutError, PermissionError) as exc:
         _write_output(args, results)
         print(f"pdkv run: FAILED: {exc}", file=sys.stderr)
         return 2

@@ -21,9 +21,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.url:
         return run(http_source(args.url, args.timeout), args.url, args.interval, args.once)
+    from common.node import Keys, KeysError
     from deploy.client import Client
 
-    client = Client(args.router, "pdkv-top")
+    try:
+        keys = Keys(args.auth_keys) if args.auth_keys else None
+    except KeysError as exc:
+        print(f"pdkv top: {exc}", file=sys.stderr)
+        return 2
+    client = Client(args.router, "pdkv-top", keys, args.identity)
     try:
         return run(_router_source(client, args.timeout, Scrape), f"router {args.router}",
                    args.interval, args.once)

@@ -33,7 +33,7 @@ from common.codec import unpack_ids
 from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.kv import FreeReason, ceil_div
 from common.metrics import host_readings, watch_host
-from common.node import ControlLink, Load, Prefilled, Req, WorkerBase
+from common.node import ControlLink, Keys, Load, Prefilled, Req, WorkerBase
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine
@@ -56,9 +56,10 @@ class PrefillWorker(WorkerBase):
     def __init__(self, name: str, router: str | ControlLink, kv_bind: str,
                  kv_advertise: str = "", device: str = "cpu", log_dir: str | None = None,
                  register_timeout_s: float = 60.0, *,
-                 local_models: dict[str, str] | None = None) -> None:
+                 local_models: dict[str, str] | None = None, keys: Keys | None = None,
+                 identity: str = "worker") -> None:
         super().__init__(name, router, device, log_dir, register_timeout_s,
-                         local_models=local_models)
+                         local_models=local_models, keys=keys, identity=identity)
         self.kv_bind, self.kv_advertise = kv_bind, kv_advertise
         self.reqs: OrderedDict[str, Request] = OrderedDict()
         self.early_ready: set[str] = set()
@@ -78,7 +79,8 @@ class PrefillWorker(WorkerBase):
         self.sender = KvSender(cache, self.kv_bind, TransportConfig(
             node=name, model=cfg.model, model_digest=self.runner.fingerprint,
             heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport), ctx=self.ctx)
+            shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport,
+            require_capability=True), ctx=self.ctx, auth=self.kv_auth)
         watch_host(self.metrics, self.offloader)
 
     def kv_address(self) -> str:
@@ -91,6 +93,8 @@ class PrefillWorker(WorkerBase):
                       label=msg.label, eager=msg.eager, announced=rid in self.early_ready)
         self.early_ready.discard(rid)
         self.reqs[rid] = req
+        # KV only to the decode the router assigned: it alone holds this capability
+        self.sender.expect(rid, msg.cap)
 
     def on_abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -258,6 +262,11 @@ class PrefillWorker(WorkerBase):
         return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),
                 "stream_busy_s": self.busy.seconds,
                 "tokens_computed": self.engine.num_tokens_computed,
+                # KV plane refusals (docs/security.md): announces without the request's
+                # capability, protocol errors of peers, connections with bad credentials
+                "refused_announces": int(self.sender.stats["refused.announce"]),
+                "kv_errors": int(self.sender.stats["errors"]),
+                "kv_unauthenticated": self.sender.link.router.refused,
                 **({} if reuse is None else {
                     "prefix_hit_pages": reuse.num_hit_pages,
                     "prefix_load_timeouts": reuse.num_timeouts,

@@ -58,8 +58,9 @@ class FakeHub(ControlHub):
         self.sent.append((peer, _wire(msg)))
         return True
 
-    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
-        return self.inbox.popleft() if self.inbox else None
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
+        """(peer, message, identity): without keys, every sender's identity is ''."""
+        return (*self.inbox.popleft(), "") if self.inbox else None
 
     def close(self) -> None:
         self.closed = True

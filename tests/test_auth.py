@@ -200,7 +200,7 @@ def test_a_client_refuses_a_server_with_the_wrong_key(keydir, ctx, tmp_path):
         impostor.close()
 
 
-# -- the KV plane: per-run credentials from the router -----------------------------------
+# -- the KV plane: credentials from the router -----------------------------------------
 @pytest.mark.parametrize("mechanism", ["curve", "plain"])
 def test_kv_plane_credentials_round_trip_and_authenticate(ctx, mechanism):
     made = auth.new_kv_plane(mechanism)
@@ -222,6 +222,26 @@ def test_kv_plane_credentials_round_trip_and_authenticate(ctx, mechanism):
         assert server.guard.refused == 1
     finally:
         _close(ok, mon_ok, bad, mon_bad)
+        server.close()
+
+
+@pytest.mark.parametrize("mechanism", ["curve", "plain"])
+def test_a_deployments_kv_plane_comes_from_its_router_key(keydir, tmp_path, ctx, mechanism):
+    mine = auth.kv_plane(keys.Keys(keydir), mechanism)
+    again = auth.kv_plane(keys.Keys(keydir), mechanism)   # a restarted router
+    assert mine == again and mine.mechanism == mechanism
+    keys.create(tmp_path / "other")
+    other = auth.kv_plane(keys.Keys(tmp_path / "other"), mechanism)
+    assert other != mine and auth.kv_plane(keys.Keys(keydir), "plain" if mechanism ==
+                                           "curve" else "curve") != mine
+    assert auth.kv_plane(None, mechanism) == auth.INSECURE
+    server = Server(ctx, mine)
+    ok, mon = _client(ctx, again, server.address)   # derived keys make a real handshake
+    try:
+        ok.send(b"hello")
+        assert server.recv() == (auth.KV_USER, b"hello")
+    finally:
+        _close(ok, mon)
         server.close()
 
 
@@ -312,3 +332,19 @@ def test_pdkv_keys_create_add_export_show(tmp_path, capsys):
                                    "worker": False, "worker-host3": True}
     assert main(["keys", "create", str(d)]) == 2    # never overwritten
     assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["router", "--bind", "tcp://0.0.0.0:0"],
+    ["prefill", "--router", "tcp://127.0.0.1:9", "--kv-bind", "tcp://0.0.0.0:0"],
+])
+def test_a_process_without_keys_refuses_a_public_bind_at_once(argv):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PDKV_AUTH_KEYS"}
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", *argv], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "refusing to bind tcp://0.0.0.0:0 without authentication" in proc.stderr
+    assert "--auth-keys" in proc.stderr

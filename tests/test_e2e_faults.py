@@ -22,7 +22,7 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from common.node import Error, Link, StatusReport
+from common.node import Error, Keys, Link, StatusReport, control_client
 from deploy.driver import drive, router_lost
 from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, WorkRequest, make_workload
@@ -103,7 +103,8 @@ def test_pdkv_run_against_a_router_that_dies_fails_within_the_lease(start, tmp_p
     run = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "run", "--router", cluster.router_addr,
          "--requests", "4", "--rate", "0", "--prompt-len", "200", "200", "--output-len",
-         "400", "400", "--output", str(tmp_path / "out.jsonl")],
+         "400", "400", "--output", str(tmp_path / "out.jsonl"),
+         "--auth-keys", str(cluster.keys_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -210,7 +211,10 @@ def test_an_unresponsive_prefill_holds_up_only_its_own_requests(tmp_path):
 
 def test_broken_frames_and_huge_messages_never_stall_the_router(start, reference):
     cluster = start()
-    evil = Link(cluster.client.ctx, cluster.router_addr, "evil")
+    # a peer of the deployment (a client key) that sends broken frames: without a key it
+    # would not get past the CURVE handshake at all (tests/test_attacks.py)
+    evil = Link(cluster.client.ctx, cluster.router_addr, "evil",
+                control_client(Keys(cluster.keys_dir), "client"))
     try:
         evil.send_raw([b"two", b"frames"])
         evil.send_raw([b"\xc1 not msgpack"])

@@ -181,13 +181,15 @@ def test_pdkv_run_cli_writes_jsonl_and_a_json_summary(tmp_path):
 
 
 def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
-    """The multi-host commands: pdkv router, pdkv prefill --kv-advertise, pdkv decode.
+    """The multi-host commands: pdkv keys, pdkv router, pdkv prefill --kv-advertise,
+    pdkv decode, each "host" with only the keys it needs (docs/security.md).
 
     Loopback only: the prefill binds 127.0.0.1 and advertises it under another name
     (localhost), so the decodes reach it by the advertised address, not the bound one."""
     import json
     import socket
 
+    from common.node import Keys
     from deploy.client import Client
 
     def port():
@@ -197,17 +199,23 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
 
     router, kv = f"tcp://127.0.0.1:{port()}", port()
     base = [sys.executable, "-m", "deploy.cli"]
+    subprocess.run([*base, "keys", "create", str(tmp_path / "keys")], check=True,
+                   capture_output=True)
+    for host in ("router", "worker", "operator"):
+        subprocess.run([*base, "keys", "export", str(tmp_path / "keys"),
+                        str(tmp_path / host), "--for", host], check=True, capture_output=True)
     cmds = {
         "router": [*base, "router", "--bind", router, "--config-json",
-                   json.dumps(CFG.to_dict())],
+                   json.dumps(CFG.to_dict()), "--auth-keys", str(tmp_path / "router")],
         "p": [*base, "prefill", "--router", router, "--name", "p", "--kv-bind",
               f"tcp://127.0.0.1:{kv}", "--kv-advertise", f"tcp://localhost:{kv}",
-              "--log-dir", str(tmp_path)],
-        "d": [*base, "decode", "--router", router, "--name", "d", "--log-dir", str(tmp_path)],
+              "--log-dir", str(tmp_path), "--auth-keys", str(tmp_path / "worker")],
+        "d": [*base, "decode", "--router", router, "--name", "d", "--log-dir", str(tmp_path),
+              "--auth-keys", str(tmp_path / "worker")],
     }
     procs = {n: subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=open(
         tmp_path / f"{n}.log", "w")) for n, c in cmds.items()}
-    client = Client(router)
+    client = Client(router, keys=Keys(tmp_path / "operator"), identity="operator")
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -220,6 +228,7 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
         out = tmp_path / "out.jsonl"   # pdkv run --router: drive a running deployment
         run = subprocess.run(
             [*base, "run", "--router", router, "--shutdown", "--log-dir", str(tmp_path),
+             "--auth-keys", str(tmp_path / "operator"),
              "--requests", str(SPEC.requests), "--seed", str(SPEC.seed), "--rate", "40",
              "--prompt-len", *map(str, SPEC.prompt_len), "--output-len",
              *map(str, SPEC.output_len), "--output", str(out), "--json"],

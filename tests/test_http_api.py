@@ -36,7 +36,8 @@ def deployment(tmp_path_factory):
     """(cluster, url of a front door with --api-key); logs replayed clean at the end."""
     tmp = tmp_path_factory.mktemp("http-api")
     cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp)).start()
-    proc, url = start_frontend(cluster.router_addr, tmp / "frontend.log", "--api-key", KEY)
+    proc, url = start_frontend(cluster.router_addr, tmp / "frontend.log", "--api-key", KEY,
+                                "--auth-keys", str(cluster.keys_dir))
     try:
         yield cluster, url
     finally:
@@ -298,7 +299,8 @@ def test_a_full_front_door_answers_429(deployment, tmp_path):
     """With room for one waiting request: A runs and fills the decode pool, B waits for
     the pool (no first token while A runs), C is refused with 429."""
     cluster, _ = deployment
-    proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log", "--max-waiting", "1")
+    proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log", "--max-waiting", "1",
+                               "--auth-keys", str(cluster.keys_dir))
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
             a = {"prompt": prompt(300, seed=9), "max_tokens": 300, **GREEDY,

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from common.node import Keys
 from deploy.client import Client
 from deploy.launcher import Cluster
 from tests.http_helpers import (
@@ -45,9 +46,9 @@ async def _stream(client: httpx.AsyncClient, body: dict, leave_after: int | None
     return events
 
 
-def _wait_router_idle(router: str, timeout_s: float = 30.0) -> None:
+def _wait_router_idle(cluster: Cluster, timeout_s: float = 30.0) -> None:
     """No request left in flight at the router (so none is held by a worker)."""
-    client = Client(router, "test")
+    client = Client(cluster.router_addr, "test", Keys(cluster.keys_dir))
     try:
         deadline = time.monotonic() + timeout_s
         while (n := client.status(2.0).in_flight) and time.monotonic() < deadline:
@@ -61,7 +62,8 @@ def _wait_router_idle(router: str, timeout_s: float = 30.0) -> None:
 def frontdoor(tmp_path):
     """A fresh 1P1D deployment behind ``pdkv frontend``: (cluster, url, log dir)."""
     cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
-    proc, url = start_frontend(cluster.router_addr, tmp_path / "frontend.log")
+    proc, url = start_frontend(cluster.router_addr, tmp_path / "frontend.log", "--auth-keys",
+                               str(cluster.keys_dir))
     try:
         yield cluster, url, tmp_path
     finally:
@@ -87,7 +89,7 @@ def test_200_concurrent_streams_all_complete(frontdoor):
         assert len(ids) == body["max_tokens"]
         assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert len({e[0]["id"] for e in streams}) == 200
-    _wait_router_idle(cluster.router_addr)
+    _wait_router_idle(cluster)
     cluster.stop()
     cluster.check_exit_codes()
     assert_logs_clean(tmp)
@@ -117,7 +119,7 @@ def test_clients_leaving_at_random_moments_leak_nothing(frontdoor):
 
     outcomes = asyncio.run(main())
     assert all(ev[-1] == "[DONE]" for kind, ev in outcomes if kind == "whole")
-    _wait_router_idle(cluster.router_addr)
+    _wait_router_idle(cluster)
     health = httpx.get(f"{url}/health").json()
     assert health["open"] == 0 and health["in_flight"] == 0, health
     cluster.stop()
@@ -201,7 +203,8 @@ def test_no_router_is_a_503_with_the_reason(tmp_path):
 def test_a_lost_router_ends_open_streams_with_an_error(tmp_path):
     cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp_path)).start()
     proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log",
-                               "--router-timeout-s", "1.5")
+                               "--router-timeout-s", "1.5", "--auth-keys",
+                               str(cluster.keys_dir))
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
             body = {"prompt": prompt(8, seed=400), "max_tokens": 620, "stream": True,

@@ -222,12 +222,14 @@ def test_every_submission_gets_its_own_id_and_a_label_is_free_again_once_done(ro
     assert router.hub.take(CLIENT) == [] and router.errors["stray_report"] == 1
 
 
-def test_reports_from_a_worker_that_does_not_serve_the_request_are_dropped(router):
+def test_reports_from_a_worker_that_does_not_serve_the_request_are_refused(router):
     _deployment(router)
     rid = _submit(router, "a", [1] * 8)
     router.dispatch(b"d1", Tokens(rid, [5]))
     router.dispatch(b"d1", Done(rid, "length", n=1))
-    assert router.hub.take(CLIENT) == [] and router.errors["stray_report"] == 2
+    assert router.hub.take(CLIENT) == []
+    assert [e.code for e in router.hub.take(b"d1", Error)] == ["forbidden"] * 2
+    assert router.errors["forbidden.Tokens"] == router.errors["forbidden.Done"] == 1
 
 
 def test_both_workers_of_a_request_dying_ends_it_once(router):

@@ -35,6 +35,11 @@ class TransportConfig:
     """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
     max_frame_bytes: int = 8 << 20
     """Prefill: coalesced page runs are cut into data frames of at most this many bytes."""
+    require_capability: bool = False
+    """Prefill: stream a request's KV only to a peer whose ``Announce`` carries the
+    capability the worker registered with ``KvSender.expect`` (an announce that comes
+    first waits for it, up to ``admission_timeout_s``). Serving workers always set it;
+    off, any handshaken peer may announce any rid (tests, benchmarks)."""
     shared_memory: bool = True
     """Use the same-host shared-memory data path when possible: decode offers its pool if
     it lives in shared memory (``KvCache(shared_memory=True)``), prefill maps an offered

@@ -12,6 +12,7 @@ from common.kv import valid_segment_name
 INT32_MAX = (1 << 31) - 1
 MAX_NAME = 256          # node names, dtype names
 MAX_RID = 512           # request ids
+MAX_CAP = 64            # a request's KV capability (the router's are 32 hex digits)
 MAX_TEXT = 4096         # details and reasons are cut to this many characters
 MAX_DIM = 1 << 16       # layers, heads, head dim
 MAX_PAGE_SIZE = 1 << 20

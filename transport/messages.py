@@ -5,8 +5,9 @@ Every message is a frozen dataclass with an explicit field list. On the wire it 
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
 followed by exactly one raw data frame (the page bytes), every other message by none.
 Page ids travel as little-endian int32 ``bytes``. Nothing is ever pickled. A field with a
-default (only ``Hello``'s same-host and NIXL fields) may be absent, so that a version-1
-``Hello`` still decodes and fails the handshake on ``version`` rather than on a missing field.
+default (``Hello``'s same-host and NIXL fields, ``Announce.cap``) may be absent, so that
+an older ``Hello`` still decodes and fails the handshake on ``version`` rather than on a
+missing field.
 
 ``decode`` never raises anything but ``ProtocolError``: unknown types, missing fields,
 wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
@@ -25,7 +26,8 @@ from common.codec import Codec, DecodeError, pack_ids, unpack_ids
 from . import limits as L
 from .limits import INT32_MAX
 
-PROTOCOL_VERSION = 3  # 2: shared-memory data path (KvWritten); 3: segment token, checks
+PROTOCOL_VERSION = 3  # 2: shared-memory data path (KvWritten); 3: segment token, checks,
+# Announce.cap (the request's KV capability)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_NIXL_MD_BYTES = 48 * 1024  # a NIXL agent's metadata rides in the Hello header
 KV_TRANSPORTS = ("zmq", "nixl", "auto")
@@ -46,6 +48,7 @@ class ErrorCode(str, Enum):
     DUPLICATE_RID = "duplicate_rid"    # announce of a rid already in flight from that peer
     NOT_HANDSHAKEN = "not_handshaken"  # anything but Hello before a successful Hello
     HANDSHAKE = "handshake"            # version/layout/TP mismatch (detail names the field)
+    FORBIDDEN = "forbidden"            # an announce without the request's capability
     INTERNAL = "internal"              # a bug on the answering side; request failed
 
 
@@ -131,11 +134,13 @@ class Announce:
     prompt_len: int
     cached_tokens: int   # positions [0, cached_tokens) already held (prefix cache); page-aligned
     dest_pages: bytes    # int32 page ids of positions [0, prompt_len) in the decode pool
+    cap: str = ""        # version 3: the request's KV capability from the router
 
     def __post_init__(self) -> None:
         L.rid(self)
         L.ints(self, prompt_len=(1, INT32_MAX))
         L.ints(self, cached_tokens=(0, self.prompt_len))
+        L.text(self, "cap", L.MAX_CAP)
         if len(self.dest_pages) % 4:
             raise ValueError(f"dest_pages: {len(self.dest_pages)} bytes is not int32s")
 

@@ -35,6 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 
+from common.node import INSECURE, PlaneAuth
+
 from . import handshake, tp
 from .channel import PoolView
 from .config import TransportConfig
@@ -75,6 +77,7 @@ class _Parked(NamedTuple):
     kv: object
     prompt_len: int
     cached_tokens: int
+    cap: str = ""
 
 
 class KvReceiver:
@@ -85,9 +88,11 @@ class KvReceiver:
         cache: this rank's ``KvCache`` (``layout.num_kv_heads`` = heads of this rank).
         config: identity, TP rank/size, deadlines and lease.
         ctx: ZMQ context to use; one is created (and terminated on ``close``) if omitted.
+        auth: the KV credentials to present to prefills (the deployment's).
     """
 
-    def __init__(self, cache, config: TransportConfig, ctx: zmq.Context | None = None):
+    def __init__(self, cache, config: TransportConfig, ctx: zmq.Context | None = None,
+                 auth: PlaneAuth = INSECURE):
         self.config, self.cache = config, cache
         self.stats: Counter[str] = Counter()
         self.events = EventLog(self.stats)
@@ -104,7 +109,8 @@ class KvReceiver:
                                      shm_pool=shm_name, shm_pages=cache.num_pages,
                                      shm_token=cache.shared_memory_token(),
                                      nixl_offer=self.nixl and self.nixl.offer())
-        self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats, self.nixl)
+        self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats, self.nixl,
+                                 auth)
 
     @property
     def hello(self) -> Hello:
@@ -143,7 +149,7 @@ class KvReceiver:
         return self.link.group_lost(group)
 
     def announce(self, rid: str, kv, prompt_len: int, cached_tokens: int = 0,
-                 group: int = 0) -> None:
+                 group: int = 0, cap: str = "") -> None:
         """Ask ``group`` to stream positions ``[cached_tokens, prompt_len)`` into ``kv``.
 
         Args:
@@ -152,6 +158,8 @@ class KvReceiver:
             cached_tokens: page-aligned prefix already held (prefix cache).
             group: a group from ``connect`` or ``begin_connect`` (still connecting: the
                 announcement waits for it, see ``begin_connect``).
+            cap: the request's KV capability from the router (docs/security.md); a
+                prefill that requires capabilities sends nothing without it.
         Raises:
             ValueError: rid in flight, misaligned prefix, or a needed rank is lost.
         """
@@ -161,12 +169,12 @@ class KvReceiver:
             raise ValueError(f"announce {rid!r}: in flight or cached_tokens={cached_tokens} "
                              f"not page-aligned within prompt_len={prompt_len}")
         if self.link.is_connecting(group):  # sent once the group joined (poll)
-            self._parked[rid] = _Parked(group, kv, prompt_len, cached_tokens)
+            self._parked[rid] = _Parked(group, kv, prompt_len, cached_tokens, cap)
             return
         legs = {key: InLeg(key, heads) for key, heads in self.link.legs_for(group).items()}
         dest = np.asarray(self.cache.pages(kv, 0, prompt_len), np.int64)
         msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
-                       dest_pages=pages_to_bytes(dest))  # checks rid and counts first
+                       dest_pages=pages_to_bytes(dest), cap=cap)  # checks fields first
         todo = dest[cached_tokens // ps:]
         pin = self.cache.pin_pages(todo, reason="receive") if len(todo) else None
         self.transfers[rid] = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest, pin,
@@ -271,7 +279,7 @@ class KvReceiver:
                 continue
             del self._parked[rid]
             try:
-                self.announce(rid, p.kv, p.prompt_len, p.cached_tokens, p.group)
+                self.announce(rid, p.kv, p.prompt_len, p.cached_tokens, p.group, p.cap)
             except ValueError as exc:  # the group did not connect, or lost a rank since
                 logger.warning("%s: %s failed (error): %s", self.config.node, rid, exc)
                 self.events.emit(EventKind.FAILED, rid, reason="error", detail=str(exc),

@@ -15,6 +15,8 @@ from collections import Counter
 
 import zmq
 
+from common.node import INSECURE, PlaneAuth
+
 from . import handshake, nixl, tp
 from .config import TransportConfig
 from .connecting import Connecting
@@ -50,13 +52,15 @@ class ReceiverLink:
         hello: this rank's ``Hello``.
         peers: the endpoint's peer table; the link adds peers and ticks their leases.
         nixl: this rank's NIXL side (``nixl_target.target_for``), None without NIXL.
+        auth: the KV credentials to present to prefills.
     """
 
     def __init__(self, ctx: zmq.Context, hello: Hello, config: TransportConfig,
-                 peers: PeerTable, stats: Counter, nixl: NixlTarget | None = None):
+                 peers: PeerTable, stats: Counter, nixl: NixlTarget | None = None,
+                 auth: PlaneAuth = INSECURE):
         self.config, self.hello, self.peers, self.stats = config, hello, peers, stats
         self.nixl = nixl
-        self._ctx = ctx
+        self._ctx, self.auth = ctx, auth
         self.sockets: dict[bytes, DealerSocket] = {}
         self.paths: dict[bytes, str] = {}   # peer -> data path: nixl, shm, tcp or ipc
         self.groups: list[list[bytes]] = []
@@ -102,7 +106,7 @@ class ReceiverLink:
 
     def _open(self, address: str) -> DealerSocket:
         cfg = self.config
-        sock = DealerSocket(self._ctx, address, f"{cfg.node}/tp{cfg.tp_rank}")
+        sock = DealerSocket(self._ctx, address, f"{cfg.node}/tp{cfg.tp_rank}", self.auth)
         sock.send([encode(self.hello)])
         self._poller.register(sock.sock, zmq.POLLIN)  # its answer ends the worker's wait
         return sock
@@ -120,8 +124,11 @@ class ReceiverLink:
             except (handshake.HandshakeError, TimeoutError) as exc:
                 self.stats["timeouts.handshake" if isinstance(exc, TimeoutError)
                            else "errors.handshake"] += 1
-                logger.warning("%s: cannot connect to prefill group %s: %s", self.config.node,
-                               conn.addresses, exc)
+                if isinstance(exc, TimeoutError) and self.auth.secured:
+                    exc = TimeoutError(f"{exc} (KV credentials refused? both ends must be "
+                                       "of one deployment)")
+                logger.warning("%s: cannot connect to prefill group %s: %s",
+                               self.config.node, conn.addresses, exc)
                 self.failed[group] = exc
                 for sock in conn.socks:
                     self._poller.unregister(sock.sock)

@@ -29,7 +29,10 @@ from collections import Counter
 
 import zmq
 
+from common.node import INSECURE, PlaneAuth
+
 from . import handshake, tp
+from .capability import Capabilities
 from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
@@ -66,10 +69,12 @@ class KvSender:
         address: where to bind (``tcp://host:port``, ``tcp://host:*``, ``ipc://path``).
         config: identity, TP rank/size, deadlines and lease.
         ctx: ZMQ context to use; one is created (and terminated on ``close``) if omitted.
+        auth: how decode peers authenticate (the deployment's KV credentials);
+            without them only loopback or a private ipc path may be bound.
     """
 
     def __init__(self, cache, address: str, config: TransportConfig,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, auth: PlaneAuth = INSECURE):
         self.config, self.cache = config, cache
         self.stats: Counter[str] = Counter()
         self.events = EventLog(self.stats)
@@ -82,8 +87,15 @@ class KvSender:
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill",
                                      nixl_offer=self.nixl and {
                                          "nixl_agent": self.nixl.agent.name})
-        self.link = SenderLink(self._ctx, address, PoolView(cache.data()), hello, config,
-                               self.peers, self.stats, self.nixl)
+        self.caps = Capabilities(config.require_capability, config.admission_timeout_s,
+                                 self.stats)
+        try:
+            self.link = SenderLink(self._ctx, address, PoolView(cache.data()), hello, config,
+                                   self.peers, self.stats, self.nixl, auth)
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+            raise
         self.streamer = Streamer(cache, self.link)
         self.address = self.link.address
 
@@ -107,6 +119,8 @@ class KvSender:
         """
         self._pump(int(timeout_s * 1000))
         now = time.monotonic()
+        for held, exc in self.caps.expire(now):
+            self.link.send_error(held.peer.key, held.peer.name, exc)
         for out in list(self.transfers.values()):
             self._check_deadlines(out, now)
             self._release(out)
@@ -143,6 +157,21 @@ class KvSender:
             self.streamer.hand_over(out, out.total_blocks)
         self._flush(out)
         return True
+
+    def expect(self, rid: str, cap: str) -> None:
+        """The router gave this rank ``rid`` with capability ``cap``: honour the announce
+        that carries it (also one that came already), refuse any other
+        (``require_capability``; docs/security.md)."""
+        ready, refused = self.caps.expect(rid, cap)
+        for held, exc in refused:
+            self.link.send_error(held.peer.key, held.peer.name, exc)
+        for held in ready:
+            if self.peers.live(held.peer.key) is None:
+                continue
+            try:
+                self._on_announce(held.peer, held.msg)
+            except ProtocolError as exc:
+                self.link.send_error(held.peer.key, held.peer.name, exc)
 
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards every decode rank; pins stay until each acknowledges or
@@ -232,6 +261,8 @@ class KvSender:
                                 "to a prefill endpoint", getattr(msg, "rid", None))
 
     def _on_announce(self, peer: Peer, msg: Announce) -> None:
+        if not self.caps.admit(peer, msg, time.monotonic()):
+            return  # held until the worker learns rid's capability from the router
         out = self.transfers.get(msg.rid)
         if self.peers.recently_closed(msg.rid) or (out is not None and out.state.is_final):
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} is closing", msg.rid)
@@ -299,6 +330,7 @@ class KvSender:
         """``peer`` is gone: its legs count as abort-acked, its open requests fail."""
         if peer.lost:
             return
+        self.caps.drop_peer(peer.key)
         for rid in self.peers.mark_lost(peer, why, clean):
             out = self.transfers.get(rid)
             if out is None or peer.key not in out.legs:

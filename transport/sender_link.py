@@ -17,6 +17,7 @@ from collections import Counter
 import zmq
 
 from common.kv import SegmentError
+from common.node import INSECURE, PlaneAuth
 
 from . import handshake, nixl, shm, tp
 from .channel import DataChannel, PoolView, ZmqChannel
@@ -40,14 +41,15 @@ class SenderLink:
         hello: this rank's ``Hello``.
         peers: the endpoint's peer table; the link adds peers and ticks their leases.
         nixl: this rank's NIXL side (``nixl_channel.source_for``), None without NIXL.
+        auth: how decode peers authenticate (the deployment's KV credentials).
     """
 
     def __init__(self, ctx: zmq.Context, address: str, pool: PoolView, hello: Hello,
                  config: TransportConfig, peers: PeerTable, stats: Counter,
-                 nixl: NixlSource | None = None):
+                 nixl: NixlSource | None = None, auth: PlaneAuth = INSECURE):
         self.config, self.peers, self.stats, self.hello = config, peers, stats, hello
         self.nixl = nixl
-        self.router = RouterSocket(ctx, address)
+        self.router = RouterSocket(ctx, address, auth)
         self.address = self.router.address_bound
         self.pool = pool
         self.frames: DataChannel = ZmqChannel(self.router, pool, config.max_frame_bytes,

@@ -3,7 +3,9 @@
 The prefill side binds a ROUTER (many decode ranks connect); each decode rank connects
 one DEALER per prefill rank. Control messages and KV data frames share the connection,
 so ZMQ's per-connection ordering guarantees that every chunk of a request arrives before
-its ``Done`` and before an ``AbortAck``.
+its ``Done`` and before an ``AbortAck``. Both authenticate as their ``PlaneAuth`` says
+(``common.node.auth``, docs/security.md): CURVE or PLAIN with the deployment's KV
+credentials; without them the ROUTER binds only loopback or a private ipc path.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import uuid
 
 import zmq
+
+from common.node import INSECURE, PlaneAuth
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +34,22 @@ class RouterSocket:
     Args:
         ctx: the ZMQ context; the caller owns it.
         address: where to bind; ``address_bound`` is the resolved endpoint.
+        auth: how decode peers authenticate; none by default (loopback binds only).
+
+    Raises:
+        InsecureBind: without ``auth``, ``address`` is reachable from other hosts or users.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str):
+    def __init__(self, ctx: zmq.Context, address: str, auth: PlaneAuth = INSECURE):
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock)
         # unroutable sends raise instead of being dropped silently: a vanished peer shows
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(address)
+        try:
+            self.guard = auth.serve(self.sock, address)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self.address_bound: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def send(self, peer: bytes, frames: list, track: bool = False) -> zmq.MessageTracker | None:
@@ -55,8 +67,14 @@ class RouterSocket:
         frames = self.sock.recv_multipart(copy=False)
         return frames[0].bytes, frames[1:]
 
+    @property
+    def refused(self) -> int:
+        """Connections refused at the handshake (wrong KV credentials)."""
+        return self.guard.refused
+
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.guard.close()
 
 
 class DealerSocket:
@@ -66,15 +84,19 @@ class DealerSocket:
         ctx: the ZMQ context; the caller owns it.
         address: the prefill rank's bound address.
         identity: prefix of the routing id (a random suffix keeps reconnects distinct).
+        auth: the KV credentials to present; none by default.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: str):
+    def __init__(self, ctx: zmq.Context, address: str, identity: str,
+                 auth: PlaneAuth = INSECURE):
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock)
-        self.identity = f"{identity}/{uuid.uuid4().hex[:8]}".encode()
+        # 128 random bits: the prefill routes a request's KV by this id, so no other peer
+        # may guess it and take it over on a reconnect
+        self.identity = f"{identity}/{uuid.uuid4().hex}".encode()
         self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        self.sock.connect(address)
+        auth.connect(self.sock, address)
 
     def send(self, frames: list, track: bool = False) -> zmq.MessageTracker | None:
         return self.sock.send_multipart(frames, copy=False, track=track)

@@ -3,13 +3,16 @@ shell, and how sockets authenticate (keys.py: a deployment's key directory; auth
 CURVE/ZAP)."""
 
 from common.node.auth import (
+    CONTROL_DOMAIN,
     INSECURE,
+    KV_DOMAIN,
     InsecureBind,
     PlaneAuth,
     ServerGuard,
     check_bind,
     control_client,
     control_server,
+    kv_plane,
     new_kv_plane,
     principal,
 )
@@ -42,16 +45,20 @@ from common.node.control import (
     Tokens,
 )
 from common.node.keys import Keys, KeysError, role_of
+from common.node.keys import add as add_key
+from common.node.keys import create as create_keys
+from common.node.keys import export as export_keys
 from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
 from common.node.registration import RouterLost
 from common.node.tp_worker import TpSpec, role_tp, run_follower
 from common.node.worker_base import FreeLogFailed, WorkerBase, setup_process
 
-__all__ = ["Abort", "Bye", "CODEC", "ControlHub", "ControlLink", "Done", "Error", "FreeLogFailed",
-           "Hub", "INSECURE", "InsecureBind", "Keys", "KeysError", "Link", "Load",
-           "MAX_CONTROL_BYTES", "Malformed", "Message", "MetricsQuery", "MetricsReport",
-           "MetricsSnapshot", "Ping", "PlaneAuth", "Pong", "Prefilled", "Ready", "Register",
-           "Registered", "Req", "RouterLost", "Scalar", "ServerGuard", "Shutdown", "Stats",
-           "Status", "StatusReport", "Submit", "Tokens", "TpSpec", "WorkerBase", "check_bind",
-           "control_client", "control_server", "new_kv_plane", "principal", "role_of", "role_tp",
-           "run_follower", "setup_process", "wait_any"]
+__all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink", "Done",
+           "Error", "FreeLogFailed", "Hub", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys",
+           "KeysError", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
+           "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping", "PlaneAuth", "Pong",
+           "Prefilled", "Ready", "Register", "Registered", "Req", "RouterLost", "Scalar",
+           "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport", "Submit", "Tokens",
+           "TpSpec", "WorkerBase", "add_key", "check_bind", "control_client", "control_server",
+           "create_keys", "export_keys", "kv_plane", "new_kv_plane", "principal", "role_of",
+           "role_tp", "run_follower", "setup_process", "wait_any"]

@@ -6,12 +6,12 @@ Two planes, each with its own ``PlaneAuth``:
 | plane | server | clients | keys |
 | --- | --- | --- | --- |
 | control | router (``Hub``) | workers, clients, operator | the key directory (keys.py) |
-| KV | prefill (``RouterSocket``) | decode ranks | per run, from the router at registration |
+| KV | prefill (``RouterSocket``) | decode ranks | from the router's key, at registration |
 
 A CURVE server admits exactly the client public keys it was given and tags every message
 with the identity name of its sender (ZAP ``User-Id``, read by ``principal``); a client
 verifies the server's public key, so both ends are authenticated and the bytes encrypted.
-``plain`` (KV plane only) authenticates the connection with a per-run password and
+``plain`` (KV plane only) authenticates the connection with a per-deployment password and
 leaves the bytes in the clear: for a private data network, at no encryption cost. With
 ``null`` (no keys) nothing is authenticated, so such a socket may bind only loopback
 (``check_bind``). No cryptography is written here: libzmq does it (libsodium).
@@ -19,6 +19,9 @@ leaves the bytes in the clear: for a private data network, at no encryption cost
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -128,12 +131,34 @@ INSECURE = PlaneAuth()
 
 
 def new_kv_plane(mechanism: str) -> PlaneAuth:
-    """Fresh KV-plane credentials for one run of a deployment (the router makes them)."""
-    if mechanism == "curve":
-        public, secret = zmq.curve_keypair()
+    """Fresh, random KV-plane credentials (tests; a deployment's come from ``kv_plane``)."""
+    return _kv_plane_from(mechanism, secrets.token_bytes(32))
+
+
+def kv_plane(keys: Keys | None, mechanism: str) -> PlaneAuth:
+    """A deployment's KV-plane credentials, which the router hands its workers.
+
+    Derived from the router's secret key (HMAC-SHA256 as a key-derivation function, the
+    extract-free HKDF step for a key that is uniformly random already), so a restarted
+    router hands the same ones out again and its workers rejoin with their KV sockets as
+    they are; new router keys (``pdkv keys create``, every ``pdkv run``) make new ones.
+    """
+    if keys is None:
+        return INSECURE
+    router_secret = z85.decode(keys.pair("router").secret)
+    seed = hmac.new(router_secret, f"pdkv kv plane v1 {mechanism}".encode(),
+                    hashlib.sha256).digest()
+    return _kv_plane_from(mechanism, seed)
+
+
+def _kv_plane_from(mechanism: str, seed: bytes) -> PlaneAuth:
+    if mechanism == "curve":   # any 32 bytes are a Curve25519 secret key
+        secret = z85.encode(seed)
+        public = zmq.curve_public(secret)
         return PlaneAuth("curve", KV_DOMAIN, public, secret, public, ((public, KV_USER),))
     if mechanism == "plain":
-        return PlaneAuth("plain", KV_DOMAIN, password=secrets.token_urlsafe(32))
+        return PlaneAuth("plain", KV_DOMAIN,
+                         password=base64.urlsafe_b64encode(seed).decode().rstrip("="))
     return INSECURE
 
 

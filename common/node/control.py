@@ -54,6 +54,9 @@ class Register:
     """prefill, decode or colocated."""
     name: str
     pid: int
+    deployment: str = ""
+    """The deployment id of the worker's key directory; the router refuses any other
+    ('' without keys)."""
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,13 @@ class Done:
 # -- router -> worker ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Registered:
-    """Answer to ``Register``: the deployment's ``ServeConfig.to_dict()``."""
+    """Answer to ``Register``: the deployment's ``ServeConfig.to_dict()``, its id and
+    the KV plane's credentials (``PlaneAuth.to_dict``; the control plane is
+    encrypted whenever they are secret)."""
 
     config: dict[str, Scalar]
+    deployment: str = ""
+    kv_auth: dict[str, Scalar] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,9 @@ class Req:
     label: str = ""
     """The client's rid (``rid`` is the router's own, unique per submission); sampling
     is seeded by it, so a rerun of a seeded request samples the same tokens."""
+    cap: str = ""
+    """The request's KV capability: a random secret only these two workers get; the
+    decode announces with it and the prefill sends KV only to the peer that did."""
 
 
 # -- client -> router ---------------------------------------------------------------------
@@ -268,7 +278,8 @@ class Abort:
 @dataclass(frozen=True)
 class Error:
     """A refused request (``rid`` set) or message. ``code``: ``bad_request`` (fix the
-    request and retry), ``unknown_rid``, ``refused`` (registration), ``not_registered``
+    request and retry), ``unknown_rid``, ``refused`` (registration), ``forbidden`` (the
+    sender's identity may not send this, or not for this request), ``not_registered``
     (a worker message from a peer that did not register), ``unexpected`` (a message this
     receiver does not take), or a codec code (``malformed``, ``unknown_type``,
     ``missing_field``, ``bad_field``, ``oversized``, ``extra_frames``)."""

@@ -1,7 +1,8 @@
 """The control plane's sockets: ``Link`` (a DEALER to the router) and ``Hub`` (the
 router's ROUTER). Both carry ``common.node.control`` messages and never raise on what a
 peer sends: a frame that does not decode comes back as ``Malformed`` and is counted in
-``errors`` by code.
+``errors`` by code. Both authenticate as their ``PlaneAuth`` says (``common.node.auth``):
+with keys, CURVE, and the hub tags each message with its sender's identity name.
 
 Workers and the router hold them through the interfaces ``ControlLink`` and
 ``ControlHub``, so tests build them in process over fakes (real subclasses) that carry
@@ -18,6 +19,7 @@ from collections import Counter
 import zmq
 
 from common.codec import DecodeError
+from common.node.auth import INSECURE, PlaneAuth, principal
 from common.node.control import CODEC, MAX_CONTROL_BYTES, Malformed, Message
 
 logger = logging.getLogger(__name__)
@@ -72,8 +74,9 @@ class ControlHub(ABC):
         """False when the peer is gone (the caller decides what that means)."""
 
     @abstractmethod
-    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
-        """(peer, message) or None when nothing came within ``timeout_s``."""
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
+        """(peer, message, the identity name the peer authenticated as: '' without keys)
+        or None when nothing came within ``timeout_s``."""
 
     @abstractmethod
     def close(self) -> None:
@@ -87,21 +90,27 @@ class Link(ControlLink):
         ctx: the process's ZMQ context.
         address: the router's address.
         name: prefix of the socket's routing id (logs on the router side).
+        auth: how to authenticate to the router (``control_client``); none by default.
     """
 
-    def __init__(self, ctx: zmq.Context, address: str, name: str) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, name: str,
+                 auth: PlaneAuth = INSECURE) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        self.sock.setsockopt(zmq.ROUTING_ID, f"{name}/{uuid.uuid4().hex[:6]}".encode())
-        self.sock.connect(address)
+        # 128 random bits: the router routes replies by this id, so no other peer may
+        # guess it and reconnect under it while our requests are in flight
+        self.sock.setsockopt(zmq.ROUTING_ID, f"{name}/{uuid.uuid4().hex}".encode())
+        auth.connect(self.sock, address)
         self.errors: Counter[str] = Counter()
 
     def send(self, msg: Message) -> None:
         """Never blocks: while the router is away messages queue up to the socket's
         high-water mark (they reach a restarted router); past it they are dropped and
-        counted (``errors["dropped"]``), so a dead router cannot stall the caller."""
+        counted (``errors["dropped"]``), so a dead router cannot stall the caller. A
+        router that refused our keys never completes the handshake: the registration's
+        deadline says so (``common.node.registration``)."""
         try:
             self.sock.send(CODEC.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -129,14 +138,23 @@ class Link(ControlLink):
 
 
 class Hub(ControlHub):
-    """The router's ROUTER socket: messages keyed by the sender's routing id."""
+    """The router's ROUTER socket: messages keyed by the sender's routing id, each with
+    the identity name its sender authenticated as ('' without keys).
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    Raises:
+        InsecureBind: without keys, ``address`` is reachable from other hosts or users.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, auth: PlaneAuth = INSECURE) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        self.sock.bind(address)
+        try:
+            self.guard = auth.serve(self.sock, address)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.errors: Counter[str] = Counter()
 
@@ -154,21 +172,29 @@ class Hub(ControlHub):
                 raise
             return False
 
-    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed] | None:
-        """(peer, message) or None when nothing came within ``timeout_s``."""
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
+        """(peer, message, sender's identity) or None when nothing came in time."""
         if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
-        peer, *frames = self.sock.recv_multipart()
+        peer, *frames = self.sock.recv_multipart(copy=False)
+        who = principal(frames[-1]) if frames else ""
         if len(frames) != 1:
             self.errors["extra_frames"] += 1
-            return peer, Malformed("extra_frames", f"{len(frames)} frames, expected 1")
-        msg = _decode(frames[0], self.errors)
+            return peer.bytes, Malformed("extra_frames", f"{len(frames)} frames, "
+                                         "expected 1"), who
+        msg = _decode(frames[0].bytes, self.errors)
         if isinstance(msg, Malformed):
-            logger.warning("router: undecodable message from %r: %s", peer, msg.detail)
-        return peer, msg
+            logger.warning("router: undecodable message from %r: %s", peer.bytes, msg.detail)
+        return peer.bytes, msg, who
+
+    @property
+    def refused(self) -> int:
+        """Connections refused at the handshake (unknown key, wrong password)."""
+        return self.guard.refused
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.guard.close()
 
 
 def wait_any(socks: list[zmq.Socket], timeout_s: float) -> bool:

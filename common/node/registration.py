@@ -6,7 +6,6 @@ import logging
 import os
 import time
 
-from common.config import ServeConfig
 from common.node.control import Error, Register, Registered
 from common.node.link import ControlLink
 
@@ -17,9 +16,11 @@ class RouterLost(RuntimeError):
     """The router went silent past the lease or never answered the registration."""
 
 
-def register(link: ControlLink, role: str, name: str, address: str, timeout_s: float
-             ) -> ServeConfig:
-    """Register until the router answers (its config) or ``timeout_s`` passes.
+def register(link: ControlLink, role: str, name: str, address: str, timeout_s: float,
+             deployment: str = "") -> Registered:
+    """Register until the router answers (its config, deployment id and KV-plane
+    credentials) or ``timeout_s`` passes. ``deployment``: the id of our key directory
+    ('' without keys); a router of another deployment is refused.
 
     The DEALER holds the message until a router binds; it is sent again now and then (the
     router answers a repeated ``Register`` of a worker not yet ready with the same
@@ -28,7 +29,8 @@ def register(link: ControlLink, role: str, name: str, address: str, timeout_s: f
 
     Raises:
         RouterLost: no answer in time (the message names the address).
-        RuntimeError: the router refused the registration (the message says why).
+        RuntimeError: the router refused the registration (the message says why), or it
+            serves another deployment.
     """
     where = address or "the router"
     logger.info("%s: registering with the router at %s (up to %.0f s)", name, where,
@@ -37,7 +39,7 @@ def register(link: ControlLink, role: str, name: str, address: str, timeout_s: f
     next_try = next_note = start
     while (now := time.monotonic()) < start + timeout_s:
         if now >= next_try:
-            link.send(Register(role, name, os.getpid()))
+            link.send(Register(role, name, os.getpid(), deployment))
             next_try = now + 10.0
         if now >= next_note + 10.0:
             next_note = now
@@ -45,12 +47,26 @@ def register(link: ControlLink, role: str, name: str, address: str, timeout_s: f
                            name, where, now - start, timeout_s)
         msg = link.recv(0.2)
         if isinstance(msg, Registered):
-            return ServeConfig.from_dict(msg.config)
+            check_deployment(name, msg, deployment)
+            return msg
         if isinstance(msg, Error) and msg.code == "name_taken":
             logger.warning("%s: %s", name, msg.error)
             next_try = min(next_try, now + 1.0)
         elif isinstance(msg, Error):
             raise RuntimeError(f"{name}: router refused registration: {msg.error}")
+    keys = (" (with keys, a router whose --auth-keys lack ours never completes the "
+            "handshake: use the key directory of its deployment)") if deployment else ""
     raise RouterLost(f"{name}: no router answered at {where} within {timeout_s:.0f} s; "
                      "start `pdkv router --bind ...` there, or pass the address it binds "
-                     "(--router)")
+                     f"(--router){keys}")
+
+
+def check_deployment(name: str, msg: Registered, deployment: str) -> None:
+    """CURVE proved the router holds our deployment's router key; its id must match too.
+
+    Raises:
+        RuntimeError: the router serves another deployment (or runs without keys).
+    """
+    if msg.deployment != deployment:
+        raise RuntimeError(f"{name}: the router serves deployment {msg.deployment!r}, "
+                           f"ours is {deployment!r}")

@@ -35,6 +35,7 @@ from common.freelog import configure as configure_freelog
 from common.freelog import log_problems
 from common.kv import KvCache
 from common.model import Model, ModelRunner
+from common.node.auth import INSECURE, PlaneAuth, control_client
 from common.node.control import (
     Abort,
     Error,
@@ -49,8 +50,9 @@ from common.node.control import (
     Shutdown,
     Stats,
 )
+from common.node.keys import Keys
 from common.node.link import ControlLink, Link, wait_any
-from common.node.registration import RouterLost, register
+from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp_worker import TpSpec, leader_cache, role_tp
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
@@ -73,14 +75,16 @@ class WorkerBase(ABC):
         register_timeout_s: how long ``serve`` waits for the router to answer.
         local_models: ``model_path`` / ``draft_model_path`` of this host's copies of the
             deployment's checkpoints (``pdkv prefill --model DIR``); empty: the router's.
+        keys: the deployment's key directory (CURVE to the router); None: no keys.
+        identity: the key directory's identity this worker runs as (role ``worker``).
     """
 
     role = "worker"
 
     def __init__(self, name: str, router: str | ControlLink, device: str = "cpu",
                  log_dir: str | None = None, register_timeout_s: float = 60.0, *,
-                 local_models: dict[str, str] | None = None, tp: TpSpec | None = None
-                 ) -> None:
+                 local_models: dict[str, str] | None = None, tp: TpSpec | None = None,
+                 keys: Keys | None = None, identity: str = "worker") -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
         self.tp = tp if tp is not None and tp.size > 1 else None
         """Rank 0 of a tensor-parallel group (common/node/tp_worker.py); None: one rank."""
@@ -91,6 +95,12 @@ class WorkerBase(ABC):
         self.router_addr = router if isinstance(router, str) else ""
         self.link: ControlLink | None = router if isinstance(router, ControlLink) else None
         self.register_timeout_s = register_timeout_s
+        self.deployment = keys.deployment_id if keys else ""
+        self.control_auth = control_client(keys, identity)
+        """How this worker's link authenticates to the router (raises ``KeysError`` now,
+        before any I/O, when the key directory lacks ``identity``)."""
+        self.kv_auth: PlaneAuth = INSECURE
+        """How this worker's KV sockets authenticate (from the router's ``Registered``)."""
         self.ctx = zmq.Context()
         self.config: ServeConfig | None = None
         self.cache: KvCache | None = None
@@ -112,7 +122,7 @@ class WorkerBase(ABC):
         """
         try:
             if self.link is None:
-                self.link = Link(self.ctx, self.router_addr, self.name)
+                self.link = Link(self.ctx, self.router_addr, self.name, self.control_auth)
             self.start(self._register(self.register_timeout_s))
             self._loop()
         finally:
@@ -133,8 +143,11 @@ class WorkerBase(ABC):
                     self.kv_address() or "-")
 
     def _register(self, timeout_s: float) -> ServeConfig:
-        return self._own(register(self.link, self.role, self.name, self.router_addr,
-                                  timeout_s))
+        msg = register(self.link, self.role, self.name, self.router_addr, timeout_s,
+                       self.deployment)
+        if self.deployment:
+            self.kv_auth = PlaneAuth.kv_from_dict(msg.kv_auth)
+        return self._own(ServeConfig.from_dict(msg.config))
 
     def _own(self, config: ServeConfig) -> ServeConfig:
         """The deployment's config with this host's checkpoint paths."""
@@ -264,11 +277,11 @@ class WorkerBase(ABC):
         deadline, next_try = time.monotonic() + grace, 0.0
         while (now := time.monotonic()) < deadline and not self.stopping:
             if now >= next_try:
-                self.link.send(Register(self.role, self.name, os.getpid()))
+                self.link.send(Register(self.role, self.name, os.getpid(), self.deployment))
                 next_try = now + self.config.heartbeat_s
             for msg in self.link.recv_all():
                 if isinstance(msg, Registered):
-                    self._rejoined(self._own(ServeConfig.from_dict(msg.config)))
+                    self._rejoined(msg)
                     return
             self.tick()  # the KV plane lives on: peers' leases, copies and pins
             wait_any([*self.link.sockets(), *self.sockets()], 0.05)
@@ -276,7 +289,12 @@ class WorkerBase(ABC):
             raise RouterLost(f"{self.name}: no router took this worker back within "
                              f"{grace:.0f} s ({lost})")
 
-    def _rejoined(self, config: ServeConfig) -> None:
+    def _rejoined(self, msg: Registered) -> None:
+        check_deployment(self.name, msg, self.deployment)
+        if self.deployment and PlaneAuth.kv_from_dict(msg.kv_auth) != self.kv_auth:
+            raise RouterLost(f"{self.name}: the router now hands out other KV-plane "
+                             "credentials (other keys of the router?); restart this worker")
+        config = self._own(ServeConfig.from_dict(msg.config))
         if config != self.config:
             changed = sorted(k for k, v in config.to_dict().items()
                              if self.config.to_dict()[k] != v)

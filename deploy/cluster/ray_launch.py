@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from common.config import ServeConfig
+from common.node import Keys
 from deploy.client import Client
 from deploy.cluster.ray_host import ProcHost, RemotePopen, actor_dead
 from deploy.cluster.ray_plan import NodeInfo, PlacementError, WorkerSpec, bundles, plan
@@ -64,7 +65,8 @@ class RayCluster(Cluster):
                  num_decode: int = 1, log_dir: str | None = None, threads: int = 1, *,
                  ray_address: str = "", placement: str = "spread", gpus: bool | None = None,
                  max_restarts: int = 3, frontend: list[str] | None = None,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 keys_dir: str | None = None) -> None:
         self.ray_address, self.placement, self.gpus = ray_address, placement, gpus
         self.max_restarts, self.frontend_args = max_restarts, frontend
         self.frontend_url = ""
@@ -74,8 +76,11 @@ class RayCluster(Cluster):
         self._started_ray = False
         self._next_check = 0.0
         self._tp_addr: dict[str, str] = {}
+        # the key directory is read where each process runs: one machine, or a directory
+        # every node mounts at the same path (docs/security.md)
         super().__init__(config, mode, num_prefill, num_decode, None, log_dir, threads,
-                         metrics_port=metrics_port, metrics_host=metrics_host)
+                         keys_dir=keys_dir, metrics_port=metrics_port,
+                         metrics_host=metrics_host)
 
     # -- command lines ---------------------------------------------------------------------
     def _address(self, name: str) -> str:
@@ -93,7 +98,8 @@ class RayCluster(Cluster):
         if self.frontend_args is not None:
             procs.insert(1, Proc("frontend", "frontend", [
                 sys.executable, "-m", "deploy.cli", "frontend", "--router", _ROUTER,
-                "--host", "{ip}", "--port", "{port}", *self.frontend_args],
+                "--host", "{ip}", "--port", "{port}", *self.frontend_args,
+                *(["--auth-keys", str(self.keys_dir)] if self.keys_dir else [])],
                 self.log_dir / "frontend.log"))
         return procs
 
@@ -121,7 +127,8 @@ class RayCluster(Cluster):
                 self._start_proc(ray, p, gpus, restarts=self._restarts(p))
                 if "--tp-address" in p.argv and p.role != RANK:
                     self._tp_addr[p.name] = p.argv[p.argv.index("--tp-address") + 1]
-            self.client = Client(self.router_addr, "launcher")
+            self.client = Client(self.router_addr, "launcher", Keys(self.keys_dir)
+                                 if self.keys_dir else None, identity="operator")
             self._wait_ready(progress=progress)
             self._find_frontend()
         except BaseException:

@@ -27,6 +27,7 @@ import zmq
 from common.node import (
     Done,
     Error,
+    Keys,
     Malformed,
     MetricsQuery,
     MetricsSnapshot,
@@ -81,9 +82,10 @@ class RouterBridge:
     """A client of the router inside an asyncio loop."""
 
     def __init__(self, address: str, *, status_interval_s: float = 0.5,
-                 router_timeout_s: float = 10.0) -> None:
+                 router_timeout_s: float = 10.0, keys: Keys | None = None,
+                 identity: str = "client") -> None:
         self.address = address
-        self._client = Client(address, "http")
+        self._client = Client(address, "http", keys, identity)  # CURVE with keys
         self._sock = self._client.link.sock
         self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 
+from common.node import Keys, KeysError
 from deploy.http.server import bind, run_frontend
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,11 @@ def frontend_main(args: argparse.Namespace) -> int:
         print(f"pdkv frontend: --router-timeout-s={args.router_timeout_s} must be > 0",
               file=sys.stderr)
         return 2
+    try:
+        keys = Keys(args.auth_keys) if args.auth_keys else None
+    except KeysError as exc:
+        print(f"pdkv frontend: {exc}", file=sys.stderr)
+        return 2
     sock = _bind_or_explain(args)
     if sock is None:
         return 2
@@ -73,7 +79,8 @@ def frontend_main(args: argparse.Namespace) -> int:
         print(f"pdkv frontend: serving the OpenAI API at {url}/v1 in front of the router "
               f"at {args.router}", flush=True)
 
-    run_frontend(args.router, sock, on_ready=ready, **_http_kwargs(args))
+    run_frontend(args.router, sock, on_ready=ready, keys=keys, identity=args.identity or
+                 "client", **_http_kwargs(args))
     return 0
 
 
@@ -94,7 +101,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
-                      threads=args.threads)
+                      threads=args.threads, keys_dir=args.auth_keys)
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
               else f"{args.decode} colocated")
     sigs = _Signals()
@@ -104,8 +111,9 @@ def serve_main(args: argparse.Namespace) -> int:
         if not sigs.got:
             run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
                 f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1", flush=True),
-                **_http_kwargs(args))
-    except (WorkerDied, TimeoutError) as exc:
+                keys=Keys(cluster.keys_dir) if cluster.keys_dir else None,
+                identity="client", **_http_kwargs(args))
+    except (WorkerDied, TimeoutError, KeysError) as exc:
         print(f"pdkv serve: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
         cluster.stop()
         return 2

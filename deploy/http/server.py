@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from common.node import Keys
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
 
@@ -70,12 +71,15 @@ class _Server(uvicorn.Server):
 def run_frontend(router: str, sock: socket.socket, *, model_name: str = "",
                  api_key: str = "", max_waiting: int = 256, log_level: str = "warning",
                  on_ready: Callable[[str], None] | None = None,
-                 router_timeout_s: float = 10.0) -> int | None:
+                 router_timeout_s: float = 10.0, keys: Keys | None = None,
+                 identity: str = "client") -> int | None:
     """Serve HTTP on ``sock`` in front of ``router`` until a signal; returns the signal
-    number that stopped it (None when it stopped for another reason)."""
+    number that stopped it (None when it stopped for another reason). With ``keys``
+    the connection to the router authenticates as ``identity`` (docs/security.md)."""
 
     def door() -> FrontDoor:
-        return FrontDoor(RouterBridge(router, router_timeout_s=router_timeout_s),
+        return FrontDoor(RouterBridge(router, router_timeout_s=router_timeout_s,
+                                      keys=keys, identity=identity),
                          model_name=model_name, api_key=api_key, max_waiting=max_waiting)
 
     app = create_app(door)
