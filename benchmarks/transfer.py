@@ -20,6 +20,14 @@ Goal (tcp): pdkv frames >= 0.85x raw pyzmq landing the same bytes, at every size
 pdkv run is paired with the raw run that follows it, and the median of the paired ratios
 is judged (``ratio_vs_raw_paired``; drift between distant runs cancels out); exit status
 1 on a miss unless ``--report-only``.
+
+``--kv-security`` measures what authenticating the KV plane costs (docs/security.md):
+``none`` (no keys), ``plain`` (PLAIN: authenticated handshake, frames in the clear) and
+``curve`` (CURVE: every byte encrypted). Rows other than ``none`` are named
+``<transport>+<mode>`` and carry ``ratio_vs_none``: their paired pdkv/raw ratio over the
+same transport's ``none`` row's (each row's raw pyzmq runs interleave with its pdkv runs,
+so the machine's drift between rows cancels); the raw baselines are always
+unauthenticated. The goal is judged on the ``none`` rows only.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import zmq
 
 from benchmarks.goals import Goals
 from common import KvCache, KvLayout
+from common.node import PlaneAuth, new_kv_plane
 from transport import EventKind, KvReceiver, KvSender, TransportConfig
 
 LAYOUT = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
@@ -56,11 +65,14 @@ def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
 
 
 # -- decode child --------------------------------------------------------------------------
-def _child(address: str, pool_tokens: int, shared: bool, queue, cmd) -> None:
-    """Serve jobs from ``cmd``: ``("pdkv", tokens, repeat)`` or a baseline, until None."""
+def _child(address: str, pool_tokens: int, shared: bool, queue, cmd,
+           auth: dict | None = None) -> None:
+    """Serve jobs from ``cmd``: ``("pdkv", tokens, repeat)`` or a baseline, until None.
+    ``auth``: the KV plane's credentials (``PlaneAuth.to_dict``), None for none."""
     cache = _cache(pool_tokens, "decode", shared)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
-    rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
+    plane = PlaneAuth.kv_from_dict(auth) if auth else new_kv_plane("null")
+    rx = KvReceiver(cache, TransportConfig(node="decode", **CFG), auth=plane)
     rx.connect(address)
     ctx = zmq.Context()
     dest = cache.data().view(torch.uint8).numpy().reshape(-1)  # raw lands here too
@@ -153,16 +165,18 @@ def _memcpy(src: np.ndarray, total: int) -> float:
 
 
 def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: int,
-                  tmpdir: str) -> dict:
+                  tmpdir: str, security: str = "none") -> dict:
     """Every measurement for one transport; returns ``{tokens: {figure: value}}``."""
     cache = _cache(pool_tokens, "prefill")
     cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
     address = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/pdkv.sock"
-    tx = KvSender(cache, address, TransportConfig(node="prefill", **CFG))
+    plane = new_kv_plane("null" if security == "none" else security)
+    tx = KvSender(cache, address, TransportConfig(node="prefill", **CFG), auth=plane)
     spawn = mp.get_context("spawn")
     queue, cmd = spawn.Queue(), spawn.Queue()
     proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, transport == "shm",
-                                              queue, cmd))
+                                              queue, cmd, plane.to_dict()
+                                              if plane.secured else None))
     proc.start()
     rows: dict = {}
     while not tx.peers:  # handshake
@@ -250,12 +264,22 @@ def main(args) -> int:
     pool_tokens = args.pool_tokens or (2048 if args.quick else 8192)
     from benchmarks import nixl_transfer  # NIXL rows (--transports nixl nixl-tcp)
     report = {}
+    modes = getattr(args, "kv_security", None) or ["none"]
     with tempfile.TemporaryDirectory() as tmpdir:
         for transport in args.transports:
-            run = nixl_transfer.run_variant if transport in nixl_transfer.VARIANTS \
-                else run_transport
-            report[transport] = {str(t): r for t, r in run(
-                transport, sizes, repeats, pool_tokens, tmpdir).items()}
+            if transport in nixl_transfer.VARIANTS:   # NIXL's data path is not ZMQ's
+                report[transport] = {str(t): r for t, r in nixl_transfer.run_variant(
+                    transport, sizes, repeats, pool_tokens, tmpdir).items()}
+                continue
+            for mode in modes:
+                name = transport if mode == "none" else f"{transport}+{mode}"
+                report[name] = {str(t): r for t, r in run_transport(
+                    transport, sizes, repeats, pool_tokens, tmpdir, mode).items()}
+                base = report.get(transport) if mode != "none" else None
+                for tokens, r in report[name].items():
+                    if base is not None:   # each against its own raw runs: drift cancels
+                        r["ratio_vs_none"] = round(r["ratio_vs_raw_paired"]
+                                                   / base[tokens]["ratio_vs_raw_paired"], 3)
     goals = judge(report)
     if args.json:
         print(json.dumps({**report, **goals.to_dict()}, indent=2))
@@ -283,17 +307,18 @@ def judge(report: dict) -> Goals:
 def _print_table(report: dict) -> None:
     if not report:
         return
-    print(f"{'transport':9} {'tokens':>6} {'GiB':>5} {'pdkv':>6} {'raw':>6} {'rawdis':>6} "
+    print(f"{'transport':15} {'tokens':>6} {'GiB':>5} {'pdkv':>6} {'raw':>6} {'rawdis':>6} "
           f"{'memcpy':>6} {'pickle':>6} {'/raw':>5} {'paired':>6} {'/rawdis':>7} "
-          f"{'/memcpy':>7} {'/pickle':>7}   (GB/s, medians)")
+          f"{'/memcpy':>7} {'/pickle':>7} {'/none':>6}   (GB/s, medians)")
     for transport, sizes in report.items():
         for tokens, r in sizes.items():
-            print(f"{transport:9} {tokens:>6} {r['bytes'] / 2**30:5.2f} {r['pdkv_gbps']:6.2f} "
+            vs_none = f"{r['ratio_vs_none']:6.2f}" if "ratio_vs_none" in r else f"{'':6}"
+            print(f"{transport:15} {tokens:>6} {r['bytes'] / 2**30:5.2f} {r['pdkv_gbps']:6.2f} "
                   f"{r['raw_zmq_gbps']:6.2f} {r['raw_zmq_discard_gbps']:6.2f} "
                   f"{r['memcpy_gbps']:6.2f} {r['pickle_gbps']:6.2f} {r['ratio_vs_raw']:5.2f} "
                   f"{r['ratio_vs_raw_paired']:6.2f} "
                   f"{r['ratio_vs_raw_discard']:7.2f} {r['ratio_vs_memcpy']:7.2f} "
-                  f"{r['ratio_vs_pickle']:7.1f}")
+                  f"{r['ratio_vs_pickle']:7.1f} {vs_none}")
 
 
 if __name__ == "__main__":

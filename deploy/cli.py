@@ -599,7 +599,9 @@ def _add_bench_security(bench) -> None:
                     "no keys (none), CURVE control plane with PLAIN KV (plain), CURVE "
                     "everywhere (curve, the default with keys). Report TTFT p50/p99 and the "
                     "exposed KV transfer, each against none. Defaults here: --model small "
-                    "--prompt-len 256 1024 --output-len 2 4 --rate 2. See docs/security.md.",
+                    "--prompt-len 128 512 --output-len 2 4 --rate 0.5 --requests 12 (no "
+                    "queueing on 2 cores: TTFT is prefill plus transfer). See "
+                    "docs/security.md.",
         epilog="exit status: 0; 1 when plain's TTFT p50 exceeds --goal times none's or a "
                "request failed (unless --report-only).")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians (default 3)")
@@ -608,11 +610,11 @@ def _add_bench_security(bench) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--json", action="store_true", help="print results as one JSON object")
     p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
-    _add_workload_flags(p, 16)
+    _add_workload_flags(p, 12)
     _add_config_flags(p)
     # long prompts and few outputs, on a model with KV worth moving: TTFT is the point
-    p.set_defaults(func=_run_bench_security, model="small", prompt_len=[256, 1024],
-                   output_len=[2, 4], rate=2.0)
+    p.set_defaults(func=_run_bench_security, model="small", prompt_len=[128, 512],
+                   output_len=[2, 4], rate=0.5)
 
 
 def _run_bench_security(args: argparse.Namespace) -> int:

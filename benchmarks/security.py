@@ -1,0 +1,113 @@
+"""``pdkv bench security``: what authentication costs a served request, in one run.
+
+The same seeded workload goes through three 1P1D deployments on this machine, with KV in
+ZMQ frames over tcp as between hosts (``shared_memory`` off; the same-host shared-memory
+path moves no KV bytes over a socket, so it costs the same in every mode):
+
+| mode | control plane | KV plane |
+| --- | --- | --- |
+| ``none`` | no keys (loopback only) | no authentication |
+| ``plain`` | CURVE | PLAIN: authenticated handshake, KV bytes in the clear |
+| ``curve`` | CURVE | CURVE: every KV byte encrypted (the default with keys) |
+
+For each it reports TTFT p50/p99 and their ratio to ``none``, and the exposed KV
+transfer p50 (last chunk computed -> the decode holds every page, as the router measures
+it; it reads 0 when the decode's clock reading comes first); medians over
+``--repeats``, the modes alternating within a repeat so the machine's drift hits all
+alike. Goal: ``plain`` TTFT p50 within ``--goal`` of ``none`` (authentication alone
+must be cheap); ``curve`` is reported, it is the price of encryption. Exit 1 on a
+missed goal or a failed request unless ``--report-only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from deploy.driver import drive
+from deploy.launcher import Cluster
+from deploy.run import config_from_args, workload_from_args
+from deploy.summary import pct
+from deploy.workload import make_workload
+
+MODES = ("none", "plain", "curve")
+FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "xfer_p50_ms")
+
+
+def run_mode(args: argparse.Namespace, mode: str, seed: int) -> dict:
+    # a long lease: building the model on a loaded machine outlasts 10 s of silence
+    cfg = replace(config_from_args(args), transport="tcp", shared_memory=False,
+                  kv_security="curve" if mode == "none" else mode, lease_s=60.0)
+    spec = replace(workload_from_args(args), seed=seed)
+    cluster = Cluster(cfg, "disagg", 1, 1, threads=args.threads, secure=mode != "none")
+    try:
+        cluster.start()
+        results = drive(cluster.client, make_workload(spec, cfg.model_config().vocab_size),
+                        check=cluster.check)
+    except BaseException:
+        cluster.stop()
+        print(f"pdkv bench security: {mode} failed; logs kept in {cluster.log_dir}",
+              file=sys.stderr)
+        raise
+    stats = cluster.stop()
+    cluster.check_exit_codes()
+    cluster.cleanup()
+    ok = [r for r in results.values() if r.ok]
+    return {"requests": len(results), "ok": len(ok),
+            "ttft_p50_ms": pct([r.ttft_s for r in ok], 50) * 1e3,
+            "ttft_p99_ms": pct([r.ttft_s for r in ok], 99) * 1e3,
+            "xfer_p50_ms": pct([r.xfer_s for r in ok], 50) * 1e3,
+            "kv_bytes": sum(int(s.get("bytes_sent", 0)) for s in stats.values())}
+
+
+def main(args: argparse.Namespace) -> int:
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for rep in range(args.repeats):
+        for mode in MODES:   # the same workload (seed) for every mode of a repeat
+            runs[mode].append(run_mode(args, mode, args.seed + rep))
+        print(f"  repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+    out = summarize(runs, args)
+    print(json.dumps(out) if args.json else format_table(out))
+    misses = [f"plain TTFT p50 {out['modes']['plain']['ttft_p50_ratio']:.2f}x none > "
+              f"{args.goal:.2f}x"] if out["modes"]["plain"]["ttft_p50_ratio"] > args.goal else []
+    misses += [f"{m}: {d['ok']}/{d['requests']} requests served"
+               for m, d in out["modes"].items() if d["ok"] != d["requests"]]
+    if misses:
+        print("pdkv bench security: MISSED: " + "; ".join(misses), file=sys.stderr)
+        return 0 if args.report_only else 1
+    return 0
+
+
+def summarize(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    modes = {}
+    for mode, reps in runs.items():
+        d = {f: statistics.median(r[f] for r in reps) for f in FIGURES}
+        d["spread_ttft_p50_ms"] = [min(r["ttft_p50_ms"] for r in reps),
+                                   max(r["ttft_p50_ms"] for r in reps)]
+        d["requests"] = reps[0]["requests"]
+        d["ok"] = min(r["ok"] for r in reps)
+        d["kv_bytes"] = reps[0]["kv_bytes"]
+        modes[mode] = d
+    base = modes["none"]
+    for d in modes.values():
+        for f in ("ttft_p50_ms", "ttft_p99_ms"):
+            d[f.replace("_ms", "_ratio")] = d[f] / base[f] if base[f] else 0.0
+    return {"model": config_from_args(args).model, "repeats": args.repeats,
+            "workload": {"requests": args.requests, "rate": args.rate,
+                         "prompt_len": args.prompt_len, "output_len": args.output_len},
+            "goal_plain_ttft_p50_ratio": args.goal, "modes": modes}
+
+
+def format_table(out: dict) -> str:
+    lines = [f"pdkv bench security: 1P1D, model {out['model']}, KV over tcp frames, "
+             f"{out['workload']['requests']} requests, medians of {out['repeats']}",
+             f"  {'mode':6} {'TTFT p50':>9} {'p99':>8} {'xfer p50':>9} {'/none p50':>10} "
+             f"{'/none p99':>10}   (ms)"]
+    for mode, d in out["modes"].items():
+        lines.append(f"  {mode:6} {d['ttft_p50_ms']:9.1f} {d['ttft_p99_ms']:8.1f} "
+                     f"{d['xfer_p50_ms']:9.2f} {d['ttft_p50_ratio']:10.3f} "
+                     f"{d['ttft_p99_ratio']:10.3f}")
+    return "\n".join(lines)
