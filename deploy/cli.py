@@ -604,12 +604,12 @@ def _add_bench_security(bench) -> None:
                     "docs/security.md.",
         epilog="exit status: 0; 1 when plain's TTFT p50 exceeds --goal times none's or a "
                "request failed (unless --report-only).")
-    p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians (default 3)")
+    from benchmarks.goals import add_bench_flags
+
+    add_bench_flags(p, quick="one repeat of 6 requests", repeats="3, 1 with --quick")
     p.add_argument("--goal", type=float, default=1.15, metavar="RATIO",
                    help="most plain TTFT p50 / none TTFT p50 (default 1.15)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--json", action="store_true", help="print results as one JSON object")
-    p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
     _add_workload_flags(p, 12)
     _add_config_flags(p)
     # long prompts and few outputs, on a model with KV worth moving: TTFT is the point
