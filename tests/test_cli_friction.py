@@ -171,8 +171,8 @@ def test_an_attached_run_reports_itself_only(tmp_path):
     log_dir = tmp_path / "logs"
     cluster = Cluster(cfg, "colocated", 0, 1, log_dir=str(log_dir)).start()
     try:
-        argv = ["run", "--router", cluster.router_addr, "--requests", "4", "--rate", "0",
-                "--json"]
+        argv = ["run", "--router", cluster.router_addr, "--auth-keys", str(cluster.keys_dir),
+                "--requests", "4", "--rate", "0", "--json"]
         first = pdkv(*argv, "--seed", "1")
         second = pdkv(*argv, "--seed", "2", "--shutdown", "--log-dir", str(log_dir))
     finally:
