@@ -230,6 +230,28 @@ class Agent:
         self._registered.clear()
 
 
+def side_for(side: type, config, cache, stats):
+    """``side(node, pool, stats)`` (a prefill's or a decode's NIXL side) when
+    ``config.kv_transport`` asks for NIXL; None for ``zmq``, and for ``auto`` where NIXL
+    is missing or cannot serve the pool (logged); ``nixl`` then raises ``RuntimeError``."""
+    if config.kv_transport == "zmq":
+        return None
+    if config.kv_transport == "nixl":
+        require(config.node)
+    elif import_error():
+        logger.info("%s: kv_transport=auto without NIXL (%s): zmq", config.node,
+                    import_error())
+        return None
+    try:
+        return side(config.node, cache.data(), stats)
+    except Exception as exc:  # no UCX plugin, registration refused, ...
+        if config.kv_transport == "nixl":
+            raise RuntimeError(f"{config.node}: kv_transport=nixl, but NIXL cannot serve "
+                               f"this pool: {exc!r}") from exc
+        logger.warning("%s: kv_transport=auto, NIXL unusable (%r): zmq", config.node, exc)
+        return None
+
+
 def offered(hello: Hello) -> bool:
     """This ``Hello`` offers (decode) or accepts (prefill) the NIXL data path."""
     return bool(hello.nixl_agent)

@@ -241,21 +241,5 @@ class NixlSource:
 
 
 def source_for(config: TransportConfig, cache, stats: Counter) -> NixlSource | None:
-    """The prefill's NIXL side when ``kv_transport`` asks for it (``auto`` without NIXL:
-    None, logged); ``nixl`` without a usable NIXL raises ``RuntimeError``."""
-    if config.kv_transport == "zmq":
-        return None
-    if config.kv_transport == "nixl":
-        nixl.require(config.node)
-    elif nixl.import_error():
-        logger.info("%s: kv_transport=auto without NIXL (%s): zmq", config.node,
-                    nixl.import_error())
-        return None
-    try:
-        return NixlSource(config.node, cache.data(), stats)
-    except Exception as exc:  # no UCX plugin, registration refused, ...
-        if config.kv_transport == "nixl":
-            raise RuntimeError(f"{config.node}: kv_transport=nixl, but NIXL cannot serve "
-                               f"this pool: {exc!r}") from exc
-        logger.warning("%s: kv_transport=auto, NIXL unusable (%r): zmq", config.node, exc)
-        return None
+    """The prefill's NIXL side when ``kv_transport`` asks for it (``nixl.side_for``)."""
+    return nixl.side_for(NixlSource, config, cache, stats)

@@ -19,7 +19,6 @@ open (``active``).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 
@@ -28,7 +27,6 @@ from .config import TransportConfig
 from .incoming import InState
 from .messages import Done
 
-logger = logging.getLogger(__name__)
 SLICE_S = 0.001  # wait slice while a NIXL leg is open (over TCP, bytes land on progress)
 
 
@@ -115,21 +113,5 @@ class NixlTarget:
 
 
 def target_for(config: TransportConfig, cache, stats: Counter) -> NixlTarget | None:
-    """The decode's NIXL side when ``kv_transport`` asks for it (``auto`` without NIXL:
-    None, logged); ``nixl`` without a usable NIXL raises ``RuntimeError``."""
-    if config.kv_transport == "zmq":
-        return None
-    if config.kv_transport == "nixl":
-        nixl.require(config.node)
-    elif nixl.import_error():
-        logger.info("%s: kv_transport=auto without NIXL (%s): zmq", config.node,
-                    nixl.import_error())
-        return None
-    try:
-        return NixlTarget(config.node, cache.data(), stats)
-    except Exception as exc:  # no UCX plugin, registration refused, ...
-        if config.kv_transport == "nixl":
-            raise RuntimeError(f"{config.node}: kv_transport=nixl, but NIXL cannot serve "
-                               f"this pool: {exc!r}") from exc
-        logger.warning("%s: kv_transport=auto, NIXL unusable (%r): zmq", config.node, exc)
-        return None
+    """The decode's NIXL side when ``kv_transport`` asks for it (``nixl.side_for``)."""
+    return nixl.side_for(NixlTarget, config, cache, stats)
