@@ -31,8 +31,16 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-FREE, OWNED, PENDING, RESERVED = 0, 1, 2, 3
-OP_ALLOC, OP_FREE, OP_PIN, OP_UNPIN, OP_RELEASE, OP_HANDOFF = range(1, 7)
+from common.freelog.replay_state import (
+    FREE,
+    OP_ALLOC,
+    OP_FREE,
+    OP_HANDOFF,
+    OP_RELEASE,
+    OWNED,
+    PENDING,
+    RESERVED,
+)
 
 
 class AfterGap:
