@@ -33,7 +33,7 @@ from common.freelog import FreeLogWriter, replay_file
 PAGE_SIZE = 16
 NUM_PAGES = 32768
 GOAL_RATIO = 0.25
-QUICK_EVENTS = 200_000  # keep deploy/cli.py's --help in step
+QUICK_EVENTS = 200_000  # keep deploy/cli_bench.py's --help in step
 CACHE = "cache:prefix"
 
 
