@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 
+from common import trace
 from common.codec import unpack_ids
 from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
@@ -112,6 +113,7 @@ class DecodeWorker(WorkerBase):
                                    f"{req.prefill} at {req.prefill_addr!r}: {exc}")
                 continue
             self.scheduler.waiting_kv(req)
+            trace.mark("decode.announce_out", req.rid)
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
                         req.rid, req.prompt_len, req.prefill)
         return any_admitted
@@ -130,6 +132,7 @@ class DecodeWorker(WorkerBase):
         if req is None or req.kv is None:
             return
         if ev.kind == EventKind.COMPLETED:
+            trace.mark("decode.kv_in", req.rid)
             # the whole prompt arrived: commit it, stream the first token, join the batch
             self.cache.commit(req.kv, req.prompt_len)
             req.num_computed = req.prompt_len

@@ -46,6 +46,7 @@ def add_bench(sub) -> None:
     _add_bench_security(bench)
     _add_bench_serve(bench)
     _add_bench_frontdoor(bench)
+    _add_bench_hops(bench)
     _add_bench_spec(bench)
 
 
@@ -222,6 +223,34 @@ def _add_bench_frontdoor(bench) -> None:
     add_workload_flags(p, None, "48, 12 with --quick")
     add_config_flags(p)
     p.set_defaults(func=_run_bench_frontdoor)
+
+
+def _add_bench_hops(bench) -> None:
+    p = bench.add_parser(
+        "hops", help="the TTFT disaggregation adds at light load, hop by hop",
+        description="Serve the same seeded prompts one at a time through one colocated "
+                    "worker and through 1P1D (alternating); report both TTFTs, the "
+                    "request's KV transfer at its data path's speed measured in the same "
+                    "run, the hop cost (1P1D - colocated - transfer; goal <= 1 ms) and "
+                    "each traced point of a request's path (router, prefill, decode) in "
+                    "ms since the client's submit. The host tier is off unless --offload.",
+        epilog="exit status: 0 goal met; 1 goal missed (unless --report-only) or a request "
+               "failed.")
+    from benchmarks.goals import add_bench_flags
+
+    add_bench_flags(p, quick="1 repeat of 8 requests", repeats="3, 1 with --quick")
+    p.add_argument("--warmup", type=int, default=3, metavar="N",
+                   help="requests served first on each deployment, not counted (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    add_workload_flags(p, None, "24, 8 with --quick; --rate is not used: one at a time")
+    add_config_flags(p)
+    p.set_defaults(func=_run_bench_hops, output_len=[4, 8])
+
+
+def _run_bench_hops(args: argparse.Namespace) -> int:
+    from benchmarks.hops import main as hops_main
+
+    return hops_main(args)
 
 
 def _run_bench_frontdoor(args: argparse.Namespace) -> int:

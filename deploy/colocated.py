@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from common import trace
 from common.codec import unpack_ids
 from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
@@ -68,6 +69,7 @@ class ColocatedWorker(WorkerBase):
                                        f"({type(exc).__name__}: {exc}); retry it")
                 finished = []
             for req in finished:
+                trace.mark("colocated.computed", req.rid)
                 self.scheduler.start_decoding(req)
         return self.scheduler.step() or busy
 
@@ -79,6 +81,7 @@ class ColocatedWorker(WorkerBase):
             any_admitted = True
             self.scheduler.prefilling(req)
             self.engine.add(req)
+            trace.mark("colocated.start", req.rid)
         return any_admitted
 
     def _stop_prefill(self, req: Request, reason: str, detail: str) -> None:

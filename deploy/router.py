@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import zmq
 
+from common import trace
 from common.codec import pack_ids
 from common.config import ServeConfig
 from common.node import (
@@ -297,17 +298,51 @@ class Router:
         return route
 
     def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
-        route = self._route_of(peer, msg, "decode")
+        role = self._tokens_role(peer, msg)
+        route = self._route_of(peer, msg, role)
         if route is None:
             return
-        self.metrics.tokens(route.rid, len(msg.ids))
+        if msg.first:
+            trace.mark(f"router.first_in_from_{role}", route.rid)
         if msg.t_kv_wall:
             route.t_kv_wall = msg.t_kv_wall
-        msg = dataclasses.replace(msg, rid=route.label, t_kv_wall=0.0)
+        ids = self._new_ids(route, msg)
+        if not ids:
+            return
+        self.metrics.tokens(route.rid, len(ids))
+        msg = dataclasses.replace(msg, rid=route.label, ids=ids, t_kv_wall=0.0,
+                                  first=msg.first and len(ids) == len(msg.ids))
         if route.text is not None:
             msg = self._text_tokens(route, msg)
         if msg.ids:
             self.hub.send(route.client, msg)
+            if msg.first:
+                trace.mark("router.first_out", route.rid)
+
+    def _tokens_role(self, peer: bytes, msg: Tokens) -> str:
+        """Who may send ``msg``: the decode, or (its first token alone) the prefill."""
+        route = self.routes.get(msg.rid)
+        if (route is not None and route.prefill and msg.first and len(msg.ids) == 1
+                and self.by_peer.get(peer) == route.prefill):
+            return "prefill"
+        return "decode"
+
+    def _new_ids(self, route: Route, msg: Tokens) -> list[int]:
+        """The ids of ``msg`` the client has not had. The first token comes twice: from
+        the prefill as soon as it is computed (so TTFT does not wait for the KV transfer)
+        and from the decode once it holds the KV; the later one is dropped."""
+        if not msg.first or not msg.ids:
+            return list(msg.ids)
+        if route.decode_done is not None:  # the decode ended it (an abort): nothing new
+            return []
+        if route.first_id is None:
+            route.first_id = msg.ids[0]
+            return list(msg.ids)
+        if msg.ids[0] != route.first_id:  # both computed it from the same KV: a bug
+            self.errors["first_token_mismatch"] += 1
+            logger.error("router: %s: the prefill and the decode disagree on the first "
+                         "token (%d relayed, %d now)", route.rid, route.first_id, msg.ids[0])
+        return list(msg.ids[1:])
 
     def _text_tokens(self, route: Route, msg: Tokens) -> Tokens:
         """Detokenize; a stop string ends the output here: the workers are told to stop."""
@@ -341,6 +376,7 @@ class Router:
 
     # -- clients -------------------------------------------------------------------------
     def _on_submit(self, peer: bytes, msg: Submit) -> None:
+        t_in = trace.now_ns()
         try:
             rid = self.routes.new_rid(peer, msg.rid)
             prompt, params, text = self.door.admit(msg, self.workers.values())
@@ -353,6 +389,8 @@ class Router:
         self._route(Route(rid, msg.rid, peer, decode.name, prefill.name if prefill else "",
                           len(prompt), len(prompt) + params.max_new_tokens,
                           time.monotonic(), text=text), prompt, params, decode, prefill)
+        trace.mark("router.submit_in", rid, t_in)
+        trace.mark("router.req_out", rid)
 
     def _route(self, route: Route, prompt: list[int], params: SamplingParams,
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
@@ -365,10 +403,11 @@ class Router:
         req = Req(route.rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
                   prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
                   eager=eager, label=route.label, cap=route.cap)
-        self._send_worker(decode.name, req)
-        if prefill is not None:
+        if prefill is not None:  # first: the first token comes from its prefill pass
             prefill.assigned += len(prompt)
             self._send_worker(prefill.name, req)
+        if self.routes.get(route.rid) is route:  # not failed by a prefill found gone
+            self._send_worker(decode.name, req)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
         route = self.routes.of_client(peer, msg.rid)

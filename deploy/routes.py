@@ -41,6 +41,9 @@ class Route:
     t_grace: float = 0.0
     t_kv_wall: float = 0.0
     """Wall clock when the decode held all KV and the first token (0: not yet)."""
+    first_id: int | None = None
+    """The first token as relayed to the client (the prefill's or the decode's, whichever
+    came first; None: not yet)."""
     aborted_by_client: bool = False
     text: TextRoute | None = None
     """A text request: its detokenizer and stop strings."""

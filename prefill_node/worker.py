@@ -7,7 +7,8 @@ A request's steps on this worker:
    Both may arrive in either order (QUEUED until both are in).
 2. When this pool has room for the prompt, the row is opened and extended (PREFILLING).
 3. Each engine step computes a chunk; ``KvSender.send`` pins and streams the full pages.
-4. After the last chunk ``finish`` sends the tail page and the first token (TRANSFERRING).
+4. After the last chunk the first token goes to the router (the client's first token)
+   and ``finish`` sends the tail page and the first token to the decode (TRANSFERRING).
 5. ``COMPLETED`` (the decode acknowledged everything): the row is freed with ``sent`` and
    ``prefilled`` goes to the router with the transfer's timings.
 6. An abort (client via router, or the decode via the transport) or a failure frees the
@@ -29,11 +30,12 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+from common import trace
 from common.codec import unpack_ids
 from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.kv import FreeReason, ceil_div
 from common.metrics import host_readings, watch_host
-from common.node import ControlLink, Keys, Load, Prefilled, Req, WorkerBase
+from common.node import ControlLink, Keys, Load, Prefilled, Req, Tokens, WorkerBase
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine
@@ -136,8 +138,14 @@ class PrefillWorker(WorkerBase):
                 self.sender.send(req.rid, req.kv, req.num_computed)
         for req in finished:
             req.t_prefilled = now
+            trace.mark("prefill.computed", req.rid)
             self._move(req, ReqState.TRANSFERRING)
+            # the first token goes to the router now, so the client's TTFT waits neither
+            # for the transfer nor for the decode (which sends it again with the KV; the
+            # router relays whichever comes first)
+            self.send(Tokens(req.rid, [req.output[0]], first=True))
             self.sender.finish(req.rid, req.kv, req.output[0])
+            trace.mark("prefill.finish_out", req.rid)
         return True
 
     def _admit(self) -> bool:
@@ -168,6 +176,7 @@ class PrefillWorker(WorkerBase):
             return False
         self._move(req, ReqState.PREFILLING)
         self.engine.add(req)
+        trace.mark("prefill.start", req.rid)
         logger.info("%s: %s prefilling (%d tokens, %d cached)", self.name, req.rid,
                     req.prompt_len, req.num_computed)
         return True
@@ -188,6 +197,7 @@ class PrefillWorker(WorkerBase):
 
     def _on_ready(self, rid: str) -> None:
         req = self.reqs.get(rid)
+        trace.mark("prefill.announce_in", rid)
         if req is not None:
             req.announced = True
         elif rid in self.dropped:

@@ -92,6 +92,52 @@ def test_tokens_are_relayed_and_done_carries_the_prefills_figures(router):
     assert not router.routes and router.workers["d0"].assigned == 0
 
 
+def test_the_prefills_first_token_goes_out_at_once_and_the_decodes_repeat_is_dropped(router):
+    _deployment(router)
+    rid = _submit(router, "a", [3] * 8, max_new_tokens=3)
+    router.dispatch(b"p0", Tokens(rid, [7], first=True))   # computed: before any KV moved
+    assert router.hub.take(CLIENT) == [Tokens("a", [7], first=True)]
+    router.dispatch(b"d0", Tokens(rid, [7], first=True, t_kv_wall=1000.25))  # KV is in
+    router.dispatch(b"d0", Tokens(rid, [8, 9]))
+    assert router.hub.take(CLIENT) == [Tokens("a", [8, 9])]   # 7 once, in order
+    router.dispatch(b"d0", Done(rid, "length", n=3))
+    router.dispatch(b"p0", Prefilled(rid, "sent", kv_bytes=4096, t_finish_wall=1000.0))
+    (done,) = router.hub.take(CLIENT)
+    assert done.n == 3 and done.xfer_s == 0.25      # the decode's KV time still counts
+    assert not router.errors
+
+
+def test_a_first_token_the_decode_relayed_first_is_not_relayed_again(router):
+    _deployment(router)
+    rid = _submit(router, "a", [3] * 8, max_new_tokens=3)
+    router.dispatch(b"d0", Tokens(rid, [7], first=True))
+    router.dispatch(b"p0", Tokens(rid, [7], first=True))   # the prefill's came later
+    router.dispatch(b"d0", Tokens(rid, [8]))
+    assert router.hub.take(CLIENT) == [Tokens("a", [7], first=True), Tokens("a", [8])]
+
+
+def test_a_prefill_may_send_only_the_first_token_of_its_own_requests(router):
+    _deployment(router)
+    _join(router, "p1", "prefill", 200, "ipc:///p1")
+    rid = _submit(router, "a", [3] * 8, max_new_tokens=3)
+    router.dispatch(b"p0", Tokens(rid, [7, 8], first=True))   # more than the first
+    router.dispatch(b"p0", Tokens(rid, [8]))                    # not the first
+    router.dispatch(b"p1", Tokens(rid, [7], first=True))        # not its request
+    assert router.hub.take(CLIENT) == []
+    assert router.errors["forbidden.Tokens"] == 3
+    router.dispatch(b"d0", Tokens(rid, [7], first=True))
+    assert router.hub.take(CLIENT) == [Tokens("a", [7], first=True)]
+
+
+def test_first_tokens_that_disagree_are_counted(router):
+    _deployment(router)
+    rid = _submit(router, "a", [3] * 8, max_new_tokens=3)
+    router.dispatch(b"p0", Tokens(rid, [7], first=True))
+    router.dispatch(b"d0", Tokens(rid, [6, 9], first=True))
+    assert router.hub.take(CLIENT) == [Tokens("a", [7], first=True), Tokens("a", [9])]
+    assert router.errors["first_token_mismatch"] == 1
+
+
 def test_done_goes_out_after_a_grace_period_without_the_prefills_report(router):
     _deployment(router)
     rid = _submit(router, "a", [3] * 8, max_new_tokens=3)

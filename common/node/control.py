@@ -129,7 +129,9 @@ class Tokens:
     rid: str
     ids: list[int]
     first: bool = False
-    """The first token (computed by prefill)."""
+    """The first token (computed by prefill). A prefill sends it to the router as soon as
+    it is computed and the decode again once it holds the KV; the router relays the one
+    that comes first and drops the other."""
     text: str = ""
     """Router -> client, text requests: the text these ids complete (may be empty while a
     character or a possible stop string is incomplete)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import zmq
 
+import common.trace as trace
 from common.config import ServeConfig
 from common.freelog import configure as configure_freelog
 from common.freelog import log_problems
@@ -242,6 +243,7 @@ class WorkerBase(ABC):
             logger.warning("%s: the router refused a message (%s): %s", self.name,
                            msg.code, msg.error)
         elif isinstance(msg, Req):
+            trace.mark(f"{self.role}.req_in", msg.rid)
             self.counting.on_req(msg)
             self.on_req(msg)
         elif isinstance(msg, Abort):
@@ -331,6 +333,8 @@ class WorkerBase(ABC):
     def send(self, msg: Message) -> None:
         self.counting.on_send(msg, self.cache)
         self.link.send(msg)
+        if trace.enabled() and getattr(msg, "first", False):
+            trace.mark(f"{self.role}.first_out", msg.rid)
 
     def _report(self, load: Load | None, final: bool = False) -> None:
         """This process's metrics to the router (every heartbeat, and last at close)."""
