@@ -116,7 +116,7 @@ class ServeConfig:
     """Ranks (devices, processes) of each prefill worker's tensor-parallel group."""
     decode_tp: int = 1
     """Ranks of each decode worker's tensor-parallel group; a colocated worker is a group
-    of ``decode_tp`` ranks. Disaggregated workers run with 1 rank today (docs/cluster.md)."""
+    of ``decode_tp`` ranks. Prefill and decode sizes may differ (docs/cluster.md)."""
     tp_timeout_s: float = 30.0
     """Deadline of every collective of a tensor-parallel group (rendezvous included): a
     rank silent this long takes its group down."""

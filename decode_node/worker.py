@@ -38,9 +38,18 @@ from common.metrics import watch_host
 from common.node import Done, Load, Req, WorkerBase
 from common.request import BadRequest, Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
-from transport import EventKind, KvReceiver, TransportConfig, transport_readings
+from transport import EventKind, GroupReceiver, KvReceiver, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
+
+
+def kv_config(cfg, name: str, fingerprint: str, tp_rank: int = 0, tp_size: int = 1
+              ) -> TransportConfig:
+    """The KV receiver's settings of one decode rank."""
+    return TransportConfig(node=name, model=cfg.model, model_digest=fingerprint,
+                           tp_rank=tp_rank, tp_size=tp_size, heartbeat_s=cfg.heartbeat_s,
+                           lease_s=cfg.lease_s, handshake_timeout_s=cfg.lease_s,
+                           shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport)
 
 
 class DecodeWorker(WorkerBase):
@@ -57,11 +66,11 @@ class DecodeWorker(WorkerBase):
             instead="receiving", whole_life=not cfg.overcommit)
         # A handshake with a new prefill never holds up this loop (begin_connect): its
         # requests wait, rows held, until it answers. One silent for a lease is dead.
-        self.receiver = KvReceiver(cache, TransportConfig(
-            node=name, model=cfg.model, model_digest=self.runner.fingerprint,
-            heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            handshake_timeout_s=cfg.lease_s, shared_memory=cfg.shared_memory,
-            kv_transport=cfg.kv_transport), ctx=self.ctx, auth=self.kv_auth)
+        self.receiver = KvReceiver(self.transport_cache(), kv_config(
+            cfg, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
+            auth=self.kv_auth)
+        if self.lockstep is not None:  # every rank receives its heads (transport/group.py)
+            self.receiver = GroupReceiver(self.receiver, self.lockstep)
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
 
@@ -121,7 +130,8 @@ class DecodeWorker(WorkerBase):
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
         if group is None or self.receiver.group_lost(group):
-            group = self.groups[prefill] = self.receiver.begin_connect(addr)
+            # a tensor-parallel prefill advertises its ranks' addresses, comma-separated
+            group = self.groups[prefill] = self.receiver.begin_connect(addr.split(","))
         return group
 
     def _on_event(self, ev) -> None:

@@ -310,10 +310,10 @@ def _add_prefill(sub) -> None:
     p.add_argument("--kv-bind", default="tcp://127.0.0.1:5600",
                    help="address the KV sender binds (default tcp://127.0.0.1:5600; "
                         "decodes on other hosts need e.g. tcp://0.0.0.0:5600 and "
-                        "--auth-keys)")
+                        "--auth-keys); every rank of a tensor-parallel prefill binds its own")
     p.add_argument("--kv-advertise", default="",
                    help="address decode workers connect to (default: the bound address; set "
-                        "it to tcp://<this-host>:<port> when binding 0.0.0.0)")
+                        "it to tcp://<this-host>:<port> when binding 0.0.0.0); per rank too")
 
 
 def _add_decode(sub) -> None:

@@ -38,7 +38,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="workers run check_integrity() whenever idle")
     g.add_argument("--prefill-tp", type=int, metavar="N",
                    help="tensor-parallel ranks (processes, devices) per prefill worker "
-                        "(default 1; > 1 not built yet for disaggregated workers)")
+                        "(default 1; > 1 needs --no-offload; docs/cluster.md)")
     g.add_argument("--decode-tp", type=int, metavar="M",
                    help="tensor-parallel ranks per decode or colocated worker (default 1; "
                         "> 1 needs --no-offload; docs/cluster.md)")

@@ -110,11 +110,6 @@ class Cluster:
             raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
         if num_decode < 1 or (mode == "disagg" and num_prefill < 1):
             raise ValueError("need at least one decode (and one prefill in disagg mode)")
-        if mode == "disagg" and max(config.prefill_tp, config.decode_tp) > 1:
-            raise ValueError(f"prefill_tp={config.prefill_tp}, decode_tp={config.decode_tp}: "
-                             "tensor-parallel workers run colocated only so far (a "
-                             "disaggregated group's per-rank KV transfer is not built); use "
-                             "--mode colocated --decode-tp N")
         self.config, self.mode = config, mode
         self.devices = devices or ["cpu"]
         # a temporary log directory survives a failure (its path is printed); cleanup()
@@ -168,12 +163,13 @@ class Cluster:
                         "--device", self.devices[device % len(self.devices)], "--log-dir",
                         str(self.log_dir), "--threads", str(self.threads), *ranks, *auth]
                 device += 1
+                if role == "prefill":  # every rank of a prefill group sends its own heads
+                    argv += ["--kv-bind", self._address(name if not rank else
+                                                        f"{name}.tp{rank}")]
                 if rank:  # a follower rank: no router registration, a log of its own
                     procs.append(Proc(f"{name}.tp{rank}", RANK, [*argv, "--tp-rank",
                                       str(rank)], self.log_dir / f"{name}.tp{rank}.log"))
                     continue
-                if role == "prefill":
-                    argv += ["--kv-bind", self._address(name)]
                 procs.append(Proc(name, role, argv, self.log_dir / f"{name}.log"))
         return procs
 

@@ -71,12 +71,16 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s: %s", name, exc)
         return 2
-    if tp.rank > 0:  # a follower: no router, no socket but the group's
+    if tp.rank > 0:  # a follower: no router; the group's socket and its KV transport
         try:
-            return run_follower(tp, name, args.device, args.log_dir)
+            return run_follower(tp, name, args.device, args.log_dir, _rank_transfer,
+                                getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""))
         except (KeyboardInterrupt, SystemExit) as exc:
             logger.info("%s/tp%d: stopped by signal (%s)", name, tp.rank, exc)
             return 0
+        except (KeysError, InsecureBind) as exc:
+            logger.error("%s/tp%d: %s", name, tp.rank, exc)
+            return 2
     try:
         worker = _build(args, name, tp)
         worker.serve()
@@ -99,23 +103,30 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_transfer(setup):
+    """A disaggregated follower rank's KV transport, by its worker's role."""
+    if setup.role == "prefill":
+        from prefill_node.tp_rank import prefill_rank
+        return prefill_rank(setup)
+    from decode_node.tp_rank import decode_rank
+    return decode_rank(setup)
+
+
 def _build(args: argparse.Namespace, name: str, tp=None):
     local = {field: str(Path(value).expanduser().resolve()) for field, value in
              (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
     common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
                   register_timeout_s=getattr(args, "connect_timeout", 60.0),
                   local_models=local, keys=_keys(args), identity=args.identity)
-    if tp is not None and tp.size > 1 and args.command != "colocated":
-        raise ValueError(f"--tp-size {tp.size}: tensor-parallel {args.command} workers are "
-                         "not built yet; colocated workers are (docs/cluster.md)")
     if args.command == "prefill":
         from common.node import check_bind
         from prefill_node.worker import PrefillWorker
         # say it now, not after registering: without keys the KV port must stay private
         check_bind(args.kv_bind, secured=common["keys"] is not None)
-        return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, **common)
+        return PrefillWorker(kv_bind=args.kv_bind, kv_advertise=args.kv_advertise, tp=tp,
+                             **common)
     if args.command == "decode":
         from decode_node.worker import DecodeWorker
-        return DecodeWorker(**common)
+        return DecodeWorker(**common, tp=tp)
     from deploy.colocated import ColocatedWorker
     return ColocatedWorker(**common, tp=tp)

@@ -35,14 +35,23 @@ from common.codec import unpack_ids
 from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.kv import FreeReason, ceil_div
 from common.metrics import host_readings, watch_host
-from common.node import ControlLink, Keys, Load, Prefilled, Req, Tokens, WorkerBase
+from common.node import ControlLink, Keys, Load, Prefilled, Req, Tokens, TpSpec, WorkerBase
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine
-from transport import EventKind, KvSender, TransportConfig, transport_readings
+from transport import EventKind, GroupSender, KvSender, TransportConfig, transport_readings
 
 logger = logging.getLogger(__name__)
 _FORGET = 4096  # aborted-before-announce rids remembered
+
+
+def kv_config(cfg, name: str, fingerprint: str, tp_rank: int = 0, tp_size: int = 1
+              ) -> TransportConfig:
+    """The KV sender's settings of one prefill rank."""
+    return TransportConfig(node=name, model=cfg.model, model_digest=fingerprint,
+                           tp_rank=tp_rank, tp_size=tp_size, heartbeat_s=cfg.heartbeat_s,
+                           lease_s=cfg.lease_s, shared_memory=cfg.shared_memory,
+                           kv_transport=cfg.kv_transport, require_capability=True)
 
 
 class PrefillWorker(WorkerBase):
@@ -59,9 +68,9 @@ class PrefillWorker(WorkerBase):
                  kv_advertise: str = "", device: str = "cpu", log_dir: str | None = None,
                  register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None, keys: Keys | None = None,
-                 identity: str = "worker") -> None:
+                 identity: str = "worker", tp: TpSpec | None = None) -> None:
         super().__init__(name, router, device, log_dir, register_timeout_s,
-                         local_models=local_models, keys=keys, identity=identity)
+                         local_models=local_models, keys=keys, identity=identity, tp=tp)
         self.kv_bind, self.kv_advertise = kv_bind, kv_advertise
         self.reqs: OrderedDict[str, Request] = OrderedDict()
         self.early_ready: set[str] = set()
@@ -78,14 +87,19 @@ class PrefillWorker(WorkerBase):
         self.offloader = make_offloader(cfg, cache, self.device, self.log_dir, name)
         self.prefix_reuse = PrefixReuse(self.offloader, host_salt(cfg, cache),
                                         cfg.prefix_load_timeout_s) if self.offloader else None
-        self.sender = KvSender(cache, self.kv_bind, TransportConfig(
-            node=name, model=cfg.model, model_digest=self.runner.fingerprint,
-            heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-            shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport,
-            require_capability=True), ctx=self.ctx, auth=self.kv_auth)
+        self.sender = KvSender(self.transport_cache(), self.kv_bind, kv_config(
+            cfg, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
+            auth=self.kv_auth)
+        if self.lockstep is not None:  # every rank sends its heads (transport/group.py)
+            self.sender = GroupSender(self.sender, self.lockstep,
+                                      self.kv_advertise or self.sender.address)
         watch_host(self.metrics, self.offloader)
 
     def kv_address(self) -> str:
+        """Where decodes connect; a tensor-parallel group's ranks, comma-separated in
+        rank order (each decode rank connects to all, streams from those with its heads)."""
+        if self.lockstep is not None:
+            return ",".join(self.sender.rank_addresses)
         return self.kv_advertise or self.sender.address
 
     # -- control -------------------------------------------------------------------------

@@ -20,11 +20,13 @@ from common.model.tp_lockstep import (
     LeaderKvCache,
     LeaderRunner,
     Lockstep,
+    RankPins,
 )
-from common.model.tp_mirror import Mirror
+from common.model.tp_mirror import Mirror, RankTransfer
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "LeaderKvCache",
-           "LeaderRunner", "Lockstep", "Mirror", "TAG_CONFIG", "TAG_STEP", "Model", "ModelConfig",
+           "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankTransfer", "TAG_CONFIG",
+           "TAG_STEP", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
            "sample", "seeded_tensors", "shard_config", "TpModel", "write_builtin_tokenizer",

@@ -64,6 +64,9 @@ class TpKvOp:
     """free/free_pages: reason; handoff: new owner; pin: reason."""
     pool: str = "full"
     retained: list[str] = field(default_factory=list)
+    detail: str = ""
+    """Transfer ops (``x_*``, see ``Lockstep.record_transfer``): an abort's detail, an
+    announce's prefill addresses."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class TpStep:
     """What every follower does next: apply ``ops``, then run ``kind``."""
 
     kind: str
-    """idle (ops only), forward, forward_all or stop."""
+    """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about) or
+    stop."""
     ops: list[bytes] = field(default_factory=list)
     draft: bool = False
     owners: list[str] = field(default_factory=list)
@@ -101,6 +105,7 @@ class Lockstep:
         self._ops: list[bytes] = []
         self._lock = threading.Lock()
         self._last = time.monotonic()
+        self._urgent = False  # transfer ops wait: send them even when idle
 
     def record(self, op: TpKvOp) -> None:
         if self.lost is None:
@@ -112,7 +117,7 @@ class Lockstep:
         if self.lost is not None:
             raise GroupLost(f"tp group already lost: {self.lost}")
         with self._lock:
-            ops, self._ops = self._ops, []
+            ops, self._ops, self._urgent = self._ops, [], False
         step = TpStep(step_kind, ops, draft, [b.kv.owner for b in batch],
                       [b.start for b in batch], [b.num_tokens for b in batch],
                       pack_ids(np.concatenate([_ids(b.token_ids) for b in batch]))
@@ -124,9 +129,37 @@ class Lockstep:
             raise
         self._last = time.monotonic()
 
+    def record_transfer(self, op: str, rid: str, **fields) -> None:
+        """A transfer op (``x_expect``, ``x_send``, ``x_finish``, ``x_announce``,
+        ``x_abort``): each follower repeats it on its own KV transport (``RankTransfer``),
+        after the cache ops recorded before it."""
+        self.record(TpKvOp(op, rid, **fields))
+        self._urgent = True
+
+    def agree(self, rids: Sequence[str], mine: Sequence[int]) -> list[int]:
+        """Ask every rank for its status of each of ``rids`` (rank 0's is ``mine``); returns
+        the minimum over the ranks, rid by rid. The count travels in the step first, so
+        every rank's all-reduce has the same shape (``RankTransfer.status`` gives a
+        follower's)."""
+        if self.lost is not None:
+            raise GroupLost(f"tp group already lost: {self.lost}")
+        with self._lock:
+            ops, self._ops, self._urgent = self._ops, [], False
+        try:
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("agree", ops,
+                                                                     owners=list(rids))))
+            verdicts = self.group.all_min(list(mine))
+        except GroupLost as exc:
+            self.lost = exc
+            raise
+        self._last = time.monotonic()
+        return verdicts
+
     def keepalive(self) -> None:
-        """Called from the idle loop: an empty step once a quarter of the deadline passed."""
-        if time.monotonic() - self._last > self.group.timeout_s / 4:
+        """Called after every tick: the ops recorded since the last step go out at once
+        (a follower's transfer must not wait for rank 0's next pass), and an idle leader
+        sends an empty step once a quarter of the deadline passed."""
+        if self._urgent or time.monotonic() - self._last > self.group.timeout_s / 4:
             self.send("idle")
 
     def stop(self) -> None:
@@ -236,6 +269,27 @@ class LeaderKvCache(KvCache):
         with self._jlock:
             super().close(retained)
             self._rec("close", retained=list(retained))
+
+
+class RankPins:
+    """Rank 0's cache as its KV transport sees it: the transport's pins are this rank's
+    alone (each rank's transport pins its own pages, at its own pace), so they are not
+    recorded for the followers; everything else is the cache itself."""
+
+    def __init__(self, cache: LeaderKvCache) -> None:
+        self._cache = cache
+
+    def __getattr__(self, name: str):
+        return getattr(self._cache, name)
+
+    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
+        return KvCache.pin_pages(self._cache, pages, reason=reason, pool=pool)
+
+    def unpin(self, pin_id: int) -> None:
+        KvCache.unpin(self._cache, pin_id)
+
+    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
+        return KvCache.pin(self._cache, kv, start, end, reason=reason)
 
 
 class LeaderRunner(ModelRunner):

@@ -1,7 +1,13 @@
 """A follower rank's side of the lockstep (``common.model.tp_lockstep``): its own cache and
-runner, driven by rank 0's steps."""
+runner, driven by rank 0's steps, and (disaggregated workers) its own KV transport.
+
+Pins: a rank's KV transport pins its own pages (its sends and receives are its own), so
+pin ids differ between ranks; a pin that rank 0 recorded is kept here under rank 0's id
+and mapped to this rank's."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -12,6 +18,26 @@ from common.model.tp_lockstep import CODEC, OP_CODEC, TpKvOp, TpStep
 from common.parallel import GroupLost
 
 
+class RankTransfer(Protocol):
+    """A follower's KV transport (a prefill rank's sender, a decode rank's receiver),
+    driven by the transfer ops rank 0 records (``Lockstep.record_transfer``)."""
+
+    def apply(self, op: TpKvOp, kv: KvRecord | None) -> None:
+        """Repeat one ``x_*`` op on this rank's transport (``kv``: the op's row here)."""
+
+    def status(self, rid: str) -> int:
+        """This rank's part of ``rid``: 1 done, 0 under way, < 0 ended otherwise."""
+
+    def forget(self, rid: str) -> None:
+        """``rid``'s row is closed on rank 0: drop what is kept for its status."""
+
+    def poll(self, timeout_s: float) -> None:
+        """Move this rank's transfers on, waiting up to ``timeout_s`` for its sockets."""
+
+    def close(self) -> None:
+        """Stop every transfer and drop its pins (before the pool closes)."""
+
+
 class Mirror:
     """A follower's cache and runner, driven by the leader's steps.
 
@@ -20,12 +46,14 @@ class Mirror:
     computing on would write KV into the wrong slots.
     """
 
-    def __init__(self, runner: ModelRunner, rank: int) -> None:
+    def __init__(self, runner: ModelRunner, rank: int, transfer: RankTransfer | None = None,
+                 group=None) -> None:
         self.runner, self.cache, self.rank = runner, runner.cache, rank
+        self.transfer, self.group = transfer, group
         self.rows: dict[str, KvRecord] = {}
         self.held: dict[str, set[int]] = {}  # row page indices each row still holds
         self.cache_owners: set[str] = set()
-        self.pins: set[int] = set()
+        self.pins: dict[int, int] = {}  # rank 0's pin id -> this rank's
         self.closed = False
 
     def apply(self, frame: bytes) -> bool:
@@ -40,6 +68,9 @@ class Mirror:
             return False
         if step.kind in ("forward", "forward_all"):
             self._forward(step)
+        elif step.kind == "agree":  # same count on every rank: rank 0 sent the rids
+            self.group.all_min([self.transfer.status(rid) if self.transfer else 1
+                                for rid in step.owners])
         return True
 
     def _forward(self, step: TpStep) -> None:
@@ -59,7 +90,11 @@ class Mirror:
         if kv is not None and op.counters:
             (kv.allocated_len, kv.committed_len, kv.swa_evicted_seqlen,
              kv.protected_len) = op.counters
-        if op.op == "open":
+        if op.op.startswith("x_"):
+            if self.transfer is None:
+                raise ValueError(f"transfer op {op.op!r} on a rank without a transport")
+            self.transfer.apply(op, kv)
+        elif op.op == "open":
             self.rows[op.owner] = c.open_row(op.owner)
             self.held[op.owner] = set()
         elif op.op == "extend":
@@ -77,6 +112,8 @@ class Mirror:
         elif op.op == "close_row":
             c.close_row(self.rows.pop(op.owner))
             del self.held[op.owner]
+            if self.transfer is not None:
+                self.transfer.forget(op.owner)
         elif op.op == "free":
             r = op.ranges
             spans = [(r[i], r[i + 1]) for i in range(0, len(r), 2)]
@@ -93,13 +130,11 @@ class Mirror:
         elif op.op in ("pin", "pin_pages"):
             pin_id = c.pin(kv, op.n, op.m, reason=op.text) if op.op == "pin" else \
                 c.pin_pages(unpack_ids(op.pages, "pages"), reason=op.text, pool=op.pool)
-            if pin_id != op.ranges[0]:
-                raise ValueError(f"pin id {pin_id} here, {op.ranges[0]} on rank 0")
-            self.pins.add(pin_id)
+            self.pins[op.ranges[0]] = pin_id
         elif op.op == "unpin":
-            c.unpin(op.n)
-            self.pins.discard(op.n)
+            c.unpin(self.pins.pop(op.n))
         elif op.op == "close":
+            self.close_transfer()  # its pins go before the pool closes
             c.close(op.retained)
             self.closed = True
         else:
@@ -115,8 +150,10 @@ class Mirror:
         and close the free log, so it replays clean."""
         if self.closed:
             return
-        for pin_id in sorted(self.pins):
+        self.close_transfer()
+        for pin_id in sorted(self.pins.values()):
             self.cache.unpin(pin_id)
+        self.pins.clear()
         ps = self.cache.page_size
         for owner, kv in list(self.rows.items()):
             spans = [(i * ps, min((i + 1) * ps, kv.allocated_len))
@@ -127,3 +164,9 @@ class Mirror:
         self.held.clear()
         self.cache.close(sorted(self.cache_owners))
         self.closed = True
+
+    def close_transfer(self) -> None:
+        """Close this rank's KV transport (once): Bye to its peers, its pins dropped."""
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            transfer.close()

@@ -50,15 +50,15 @@ from common.node.keys import create as create_keys
 from common.node.keys import export as export_keys
 from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
 from common.node.registration import RouterLost
-from common.node.tp_worker import TpSpec, role_tp, run_follower
+from common.node.tp_worker import RankSetup, TpSpec, role_tp, run_follower
 from common.node.worker_base import FreeLogFailed, WorkerBase, setup_process
 
 __all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink", "Done",
            "Error", "FreeLogFailed", "Hub", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys",
            "KeysError", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
            "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping", "PlaneAuth", "Pong",
-           "Prefilled", "Ready", "Register", "Registered", "Req", "RouterLost", "Scalar",
-           "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport", "Submit", "Tokens",
-           "TpSpec", "WorkerBase", "add_key", "check_bind", "control_client", "control_server",
-           "create_keys", "export_keys", "kv_plane", "new_kv_plane", "principal", "role_of",
-           "role_tp", "run_follower", "setup_process", "wait_any"]
+           "Prefilled", "RankSetup", "Ready", "Register", "Registered", "Req", "RouterLost",
+           "Scalar", "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport", "Submit",
+           "Tokens", "TpSpec", "WorkerBase", "add_key", "check_bind", "control_client",
+           "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
+           "principal", "role_of", "role_tp", "run_follower", "setup_process", "wait_any"]

@@ -65,7 +65,8 @@ class Ready:
 
     name: str
     kv_addr: str
-    """Where decodes connect for KV (prefill); empty otherwise."""
+    """Where decodes connect for KV (prefill; a tensor-parallel group's ranks,
+    comma-separated in rank order); empty otherwise."""
     pool_tokens: int
     """Tokens of its free pool at start (the router's capacity for it)."""
 
@@ -192,7 +193,8 @@ class Req:
     """``SamplingParams.to_dict()``, validated by the router."""
     prefill: str
     prefill_addr: str
-    """The prefill's KV address (the decode connects there)."""
+    """The prefill's KV address (the decode connects there; its ranks' addresses,
+    comma-separated, for a tensor-parallel prefill)."""
     decode: str
     eager: bool = False
     """The decode surely admits at once: the prefill may compute before the announce."""

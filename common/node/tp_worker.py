@@ -25,8 +25,11 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from common.config import ServeConfig
 from common.kv import KvCache
@@ -38,6 +41,7 @@ from common.model import (
     Lockstep,
     Mirror,
     ModelRunner,
+    RankTransfer,
     TpModel,
 )
 from common.parallel import GroupLost, TpGroup
@@ -75,31 +79,54 @@ def freelog_path(log_dir: str | None, name: str, rank: int) -> str | None:
 
 
 def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pages: int,
-                 device: str, log_dir: str | None, max_rows: int
+                 device: str, log_dir: str | None, max_rows: int, *,
+                 shared_memory: bool = False, kv_auth: dict | None = None
                  ) -> tuple[TpModel, LeaderKvCache, LeaderRunner]:
     """Rank 0: join the group, hand the others the config, build this rank's shard.
 
+    ``kv_auth``: the KV plane's credentials from the router (``PlaneAuth.to_dict``),
+    which the followers' transports present too: they cross the group's connection
+    (docs/security.md: keep the rendezvous on loopback or a private network).
+
     Raises:
-        ValueError: the group's size is not the config's (``prefill_tp``/``decode_tp``), or
-            the role cannot run tensor-parallel yet.
+        ValueError: the group's size is not the config's (``prefill_tp``/``decode_tp``).
         GroupLost: a rank did not join within ``tp_timeout_s``.
     """
     if spec.size != role_tp(config, role):
         raise ValueError(f"{name}: started with --tp-size {spec.size}, the deployment's "
                          f"config has {role_tp(config, role)} rank(s) for a {role} worker")
-    if role != "colocated":
-        raise ValueError(f"{name}: tensor-parallel {role} workers are not built yet (the "
-                         "KV transfer of a group is per rank); use colocated workers")
     group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s)
+    shared = shared_memory and torch.device(device).type == "cpu"
     setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,
-             "name": name}
+             "name": name, "role": role, "shared_memory": shared, "kv_auth": kv_auth or {}}
     group.broadcast_bytes(TAG_CONFIG, json.dumps(setup).encode())
     model = TpModel(config.model_config(), group, device)
     lockstep = Lockstep(group)
     cache = LeaderKvCache(num_pages, config.page_size, layout=_layout(config, model),
                           device=device, log_path=freelog_path(log_dir, name, 0), node=name,
-                          max_rows=max_rows, lockstep=lockstep)
+                          max_rows=max_rows, lockstep=lockstep, shared_memory=shared)
     return model, cache, LeaderRunner(model, cache)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a follower's KV transport is built from (``run_follower``'s ``transfers``)."""
+
+    role: str
+    name: str
+    rank: int
+    size: int
+    config: ServeConfig
+    cache: KvCache
+    fingerprint: str
+    kv_auth: dict
+    kv_bind: str = ""
+    kv_advertise: str = ""
+
+
+TransferFactory = Callable[[RankSetup], tuple[RankTransfer, str]]
+"""Builds a follower's transport for its role; returns it and the KV address it
+advertises ("" when decodes do not connect to it)."""
 
 
 def _on_signals() -> list[float]:
@@ -125,8 +152,21 @@ def _layout(config: ServeConfig, model: TpModel):
     return replace(config.kv_layout(), num_kv_heads=model.config.num_kv_heads)
 
 
-def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None) -> int:
-    """Rank > 0 of worker ``name``: follow rank 0 until it stops (0) or is lost (3)."""
+def gather_kv_addresses(group: TpGroup, mine: str) -> list[str]:
+    """Every rank's advertised KV address, in rank order, on rank 0 (a disaggregated
+    group's transports are built: each rank passes its own)."""
+    got = group.gather_bytes(mine.encode())
+    return [] if got is None else [a.decode() for a in got]
+
+
+def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
+                 transfers: TransferFactory | None = None, kv_bind: str = "",
+                 kv_advertise: str = "") -> int:
+    """Rank > 0 of worker ``name``: follow rank 0 until it stops (0) or is lost (3).
+
+    ``transfers`` builds this rank's KV transport when the worker is a prefill or a
+    decode (the KV of this rank's heads moves between ranks directly); ``kv_bind`` /
+    ``kv_advertise``: where a prefill rank's sender binds and what decodes dial."""
     group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
     mirror = None
     try:
@@ -136,13 +176,21 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None) -> i
         node = f"{name}/tp{spec.rank}"
         cache = KvCache(setup["num_pages"], config.page_size, layout=_layout(config, model),
                         device=device, log_path=freelog_path(log_dir, name, spec.rank),
-                        node=node, max_rows=setup["max_rows"])
-        mirror = Mirror(ModelRunner(model, cache), spec.rank)
+                        node=node, max_rows=setup["max_rows"],
+                        shared_memory=setup.get("shared_memory", False))
+        runner = ModelRunner(model, cache)
+        transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
+                             kv_advertise, group)
+        mirror = Mirror(runner, spec.rank, transfer, group)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
         asked = _on_signals()
         grace = min(5.0, spec.timeout_s / 2)
-        while mirror.apply(group.broadcast_bytes(TAG_STEP, None)):
+        idle = None if transfer is None else (lambda: mirror.transfer and
+                                              mirror.transfer.poll(0.005))
+        while mirror.apply(group.broadcast_bytes(TAG_STEP, None, idle)):
+            if mirror.transfer is not None:
+                mirror.transfer.poll(0)  # steps may come back to back: never starve it
             if asked and time.monotonic() - asked[0] > grace:
                 logger.warning("%s: signalled and rank 0 did not stop within %.0f s: "
                                "leaving the group", node, grace)
@@ -156,4 +204,23 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None) -> i
             mirror.abandon()
         return 3
     finally:
+        if mirror is not None:
+            mirror.close_transfer()
         group.close()
+
+
+def _transfer(factory: TransferFactory | None, setup: dict, spec: TpSpec,
+              config: ServeConfig, cache: KvCache, runner: ModelRunner, kv_bind: str,
+              kv_advertise: str, group: TpGroup) -> RankTransfer | None:
+    """This rank's KV transport (a disaggregated worker's), its address sent to rank 0."""
+    role = setup.get("role", "colocated")
+    if role == "colocated":
+        return None
+    if factory is None:
+        raise ValueError(f"{setup['name']}/tp{spec.rank}: a {role} rank needs its KV "
+                         "transport (run it through pdkv prefill/decode)")
+    transfer, address = factory(RankSetup(role, setup["name"], spec.rank, spec.size, config,
+                                          cache, runner.fingerprint, setup["kv_auth"],
+                                          kv_bind, kv_advertise))
+    gather_kv_addresses(group, address)
+    return transfer

@@ -35,7 +35,7 @@ from common.config import ServeConfig
 from common.freelog import configure as configure_freelog
 from common.freelog import log_problems
 from common.kv import KvCache
-from common.model import Model, ModelRunner
+from common.model import Model, ModelRunner, RankPins
 from common.node.auth import INSECURE, PlaneAuth, control_client
 from common.node.control import (
     Abort,
@@ -165,7 +165,7 @@ class WorkerBase(ABC):
         into it directly); ignored for device pools."""
         cfg = self.config
         if self.tp is not None or role_tp(cfg, self.role) > 1:
-            return self._make_tp_cache(num_pages)
+            return self._make_tp_cache(num_pages, shared_memory)
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
         draft = Model(dcfg, device=self.device) if dcfg else None
@@ -180,17 +180,29 @@ class WorkerBase(ABC):
         self.counting.watch(cfg, cache)
         return model, cache, ModelRunner(model, cache, draft)
 
-    def _make_tp_cache(self, num_pages: int) -> tuple[Model, KvCache, ModelRunner]:
+    def _make_tp_cache(self, num_pages: int, shared_memory: bool
+                       ) -> tuple[Model, KvCache, ModelRunner]:
         if self.tp is None:
             raise ValueError(f"{self.name}: the deployment runs {self.role} workers with "
                              f"{role_tp(self.config, self.role)} tensor-parallel ranks; start "
                              "this one with --tp-size/--tp-rank/--tp-address")
+        kv_auth = self.kv_auth.to_dict() if self.deployment else {}
         model, cache, runner = leader_cache(self.tp, self.role, self.name, self.config,
                                             num_pages, self.device, self.log_dir,
-                                            self.config.max_rows)
+                                            self.config.max_rows, shared_memory=shared_memory,
+                                            kv_auth=kv_auth)
         self.cache, self.lockstep = cache, cache.lockstep
         self.counting.watch(self.config, cache)
         return model, cache, runner
+
+    def transport_cache(self):
+        """The pool as this rank's KV transport uses it: in a tensor-parallel group its
+        pins are this rank's own (``RankPins``), not mirrored to the other ranks."""
+        return RankPins(self.cache) if self.lockstep is not None else self.cache
+
+    def tp_rank_size(self) -> tuple[int, int]:
+        """(rank, size) of this worker's tensor-parallel group: (0, 1) without one."""
+        return (0, self.tp.size) if self.tp is not None else (0, 1)
 
     # -- loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -201,7 +213,6 @@ class WorkerBase(ABC):
                 self._rejoin(exc)
                 continue
             busy = self._tick()
-            self._heartbeat()
             if not busy:
                 if self.config.debug_integrity and self.cache is not None:
                     self.cache.check_integrity()
@@ -210,8 +221,9 @@ class WorkerBase(ABC):
     def _tick(self) -> bool:
         try:
             busy = self.tick()
-            if not busy and self.lockstep is not None:
-                self.lockstep.keepalive()  # idle: followers hear from rank 0 all the same
+            if self.lockstep is not None:
+                self.lockstep.keepalive()  # followers hear from rank 0 all the same
+            self._heartbeat()  # a group lost meanwhile is handled as in tick
             return busy
         except GroupLost as exc:  # a rank died: the whole group goes, its requests fail
             logger.error("%s: tensor-parallel group lost: %s", self.name, exc)
@@ -319,8 +331,8 @@ class WorkerBase(ABC):
     def _check_free_logs(self) -> None:
         """While a free log cannot write, admit nothing new (the router stops routing here
         on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md)."""
-        failing = [h for h in log_problems() if not h.ok]
-        why = "; ".join(h.summary() for h in failing)
+        failing = [h.summary() for h in log_problems() if not h.ok]
+        why = "; ".join(failing)
         if failing and self.config.freelog_on_error == "exit":
             raise FreeLogFailed(f"{self.name}: exiting (freelog_on_error=exit): {why}")
         if bool(why) != bool(self.paused):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -138,15 +140,23 @@ class TpGroup:
         self._run("broadcast", dist.broadcast, t, src=0, group=self._cpu_group)
         return t.tolist()
 
-    def broadcast_bytes(self, tag: int, payload: bytes | None) -> bytes:
+    def broadcast_bytes(self, tag: int, payload: bytes | None,
+                        idle: Callable[[], None] | None = None) -> bytes:
         """Rank 0's ``payload`` on every rank (others pass None). A fixed header [tag,
         nbytes] goes first; a rank expecting another ``tag`` raises (the ranks' call
-        orders diverged: a bug, never papered over)."""
+        orders diverged: a bug, never papered over).
+
+        ``idle`` (ranks other than 0): called over and over while the header has not
+        come, each call waiting a little for other work (a follower's KV transport lives
+        on between rank 0's steps); the deadline still holds."""
         if self.size == 1:
             return payload
         header = torch.tensor([tag, len(payload)] if self.is_leader else [0, 0],
                               dtype=torch.int64)
-        self._run("broadcast", dist.broadcast, header, src=0, group=self._cpu_group)
+        if idle is None or self.is_leader:
+            self._run("broadcast", dist.broadcast, header, src=0, group=self._cpu_group)
+        else:
+            self._run("broadcast", self._wait_idle, header, idle)
         if int(header[0]) != tag:
             raise GroupLost(f"tp rank {self.rank}: expected message tag {tag}, rank 0 sent "
                             f"{int(header[0])}")
@@ -155,6 +165,26 @@ class TpGroup:
         if len(data):
             self._run("broadcast", dist.broadcast, data, src=0, group=self._cpu_group)
         return payload if self.is_leader else data.numpy().tobytes()
+
+    def _wait_idle(self, header: torch.Tensor, idle: Callable[[], None]) -> None:
+        work = dist.broadcast(header, src=0, group=self._cpu_group, async_op=True)
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing from rank 0 within {self.timeout_s:.0f} s")
+            idle()
+        work.wait()  # raises what the broadcast met (a rank gone)
+
+    def all_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` on every rank. Every rank
+        passes as many values as the others (a count all of them got from rank 0 first:
+        never the length of a rank's own queue)."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        self._run("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MIN,
+                  group=self._cpu_group)
+        return t.tolist()
 
     def gather_bytes(self, payload: bytes) -> list[bytes] | None:
         """Every rank's ``payload`` on rank 0 (in rank order), None on the others. Sizes
