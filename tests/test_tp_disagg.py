@@ -3,11 +3,14 @@ gloo ranks (one process each, loopback), every rank streaming the KV of its own 
 the decode ranks that hold them. P TP2 -> D TP1, P TP1 -> D TP2 and P TP2 -> D TP2 are
 token-identical to the single-process reference at float64 (speculative decoding with the
 built-in draft layers on: the draft's KV travels too), over shared memory and over frames;
-every rank's free log replays clean and each follower allocated exactly rank 0's pages."""
+every rank's free log replays clean and each follower allocated exactly rank 0's pages.
+A rank SIGKILLed mid-request takes its group down cleanly: the group's requests fail,
+every other process's log replays clean, and the deployment serves on."""
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -97,3 +100,53 @@ def _data_paths(log_dir, dtp: int) -> dict[str, set[str]]:
         text = (log_dir / name).read_text()
         out[name] = set(re.findall(r"connected to \S+ at \S+ \(data path (\w+)\)", text))
     return out
+
+
+def _wait_gone(cluster: Cluster, name: str) -> None:
+    deadline = time.monotonic() + 4 * CFG.lease_s
+    while time.monotonic() < deadline:
+        w = cluster.client.status(2.0).workers.get(name)
+        if w is None or w["lost"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the router still routes to {name}")
+
+
+@pytest.mark.parametrize("victim,ptp,dtp,num_prefill,num_decode", [
+    ("prefill0.tp1", 2, 1, 2, 1), ("decode0.tp1", 1, 2, 1, 2)],
+    ids=["prefill-rank", "decode-rank"])
+def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
+        tmp_path, reference, victim, ptp, dtp, num_prefill, num_decode):
+    cfg = replace(CFG, prefill_tp=ptp, decode_tp=dtp)
+    cluster = Cluster(cfg, "disagg", num_prefill, num_decode, log_dir=str(tmp_path))
+    try:
+        cluster.start()
+        ranks = {p.name: p for p in cluster.procs}
+        long_spec = WorkloadSpec(requests=10, seed=11, rate=200.0, prompt_len=(40, 60),
+                                 output_len=(40, 60))
+        reqs = make_workload(long_spec, CFG.model_config().vocab_size)
+        killed = []
+
+        def kill_once(done, _total):
+            if not killed and done >= 1:
+                ranks[victim].popen.kill()
+                killed.append(time.monotonic())
+
+        results = drive(cluster.client, reqs, progress=kill_once, timeout_s=120,
+                        lease_s=CFG.lease_s)
+        assert killed, "no request finished before the kill"
+        failed = {rid: r.error for rid, r in results.items() if not r.ok}
+        assert failed, "no request was in flight on the killed group"
+        group = victim.split(".")[0]
+        assert ranks[group].popen.wait(30) == 1  # rank 0 leaves with its group
+        _wait_gone(cluster, group)
+        after = _outputs(cluster, check=False)
+        assert {rid: r.output_ids for rid, r in after.items()} == reference
+    finally:
+        cluster.stop()
+    for path in sorted(tmp_path.glob("*.freelog")):
+        report = replay_file(path)
+        if path.name == f"{victim}.freelog":  # SIGKILLed: no close, no harm
+            assert not report.violations, report.format()
+        else:
+            assert report.ok and not report.warnings, (path.name, report.format())
