@@ -6,6 +6,13 @@ prefix-cache insert). Load: ``prepare_load`` + ``complete_load`` of the same pre
 a second row. Plain: ``host.copy_(device[pages])`` of the same bytes into a preallocated
 host tensor (pinned when the device is CUDA), one contiguous slice.
 
+Same threads on both sides: torch's ``copy_`` shares a big block over its intra-op
+threads, so the page copier gets as many (``--threads``, default torch's count; both set
+for the run and printed): a one-thread copier against a two-thread ``copy_`` would measure
+the thread count, not the copier. Each timed copy starts after a short pause
+(``SETTLE_S``), so none inherits the spinning OpenMP threads of the one before, and a
+round is ``TRIES`` interleaved tries of offload, load and plain, each side's fastest kept.
+
 Two cases: ``contiguous`` (fresh pools: one run of pages each side) and ``scattered``
 (the row's device pages in random order, so every page is its own run). Each round times
 offload, load and plain one after the other (interleaved, so the machine's drift hits all
@@ -30,10 +37,20 @@ import torch
 from benchmarks.goals import Goals, add_bench_flags
 from common import KvCache, KvLayout
 from common.host import HashChain, HostTier, Offloader
+from common.kv import copy_threads, set_copy_threads
 
 LAYOUT = KvLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
 PAGE_SIZE = 16
 GOAL = 0.7
+# Pause before each timed copy. After a parallel region libgomp's threads spin (~14 ms
+# by default, GOMP_SPINCOUNT), so whatever ran right after the plain ``copy_`` shared the
+# cores with a spinning thread: on the 2-core box the copy following it ran at 2.7-2.9
+# GB/s and the same copy elsewhere in the round at 3.7-3.9, whichever copy it was.
+SETTLE_S = 0.05
+# Tries per round: a round's figure of each copy is its fastest try. Other processes only
+# ever add time, and a 128 MiB copy lasts a few scheduler slices, so one try of either
+# side ran up to 2x slow at random under load 6 (per-round ratios 0.41-2.3 in one run).
+TRIES = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -43,6 +60,7 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn, device: torch.device) -> float:
     _sync(device)
+    time.sleep(SETTLE_S)
     t0 = time.perf_counter()
     fn()
     _sync(device)
@@ -77,16 +95,19 @@ def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) ->
     plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
     offload_s, load_s, plain_s = [], [], []
     for r in range(repeats + 1):  # the first round warms up and is dropped
-        chain = HashChain(PAGE_SIZE, tokens=np.full(tokens, r, dtype=np.int32))
-        off.prefix.evict(num_pages)  # outside the timing: room for this round
-        t_off = _timed(lambda c=chain: off.complete_store(off.prepare_store(src, c)), device)
-        t_load = _timed(lambda c=chain: off.complete_load(off.prepare_load(dst, c)), device)
-        # The baseline copies the same number of bytes as one contiguous block.
-        t_plain = _timed(lambda: plain_dst.copy_(cache.data()[1:num_pages + 1]), device)
+        tries = []
+        for t in range(TRIES):
+            chain = HashChain(PAGE_SIZE, tokens=np.full(tokens, r * TRIES + t, np.int32))
+            off.prefix.evict(num_pages)  # outside the timing: room for this try
+            tries.append((
+                _timed(lambda c=chain: off.complete_store(off.prepare_store(src, c)), device),
+                _timed(lambda c=chain: off.complete_load(off.prepare_load(dst, c)), device),
+                # the baseline copies the same number of bytes as one contiguous block
+                _timed(lambda: plain_dst.copy_(cache.data()[1:num_pages + 1]), device)))
         if r:
-            offload_s.append(t_off)
-            load_s.append(t_load)
-            plain_s.append(t_plain)
+            offload_s.append(min(x[0] for x in tries))
+            load_s.append(min(x[1] for x in tries))
+            plain_s.append(min(x[2] for x in tries))
     assert torch.equal(cache.data()[cache.pages(dst, 0, tokens)], cache.data()[pages])
     off.close()
     nbytes = num_pages * LAYOUT.page_bytes(PAGE_SIZE)
@@ -101,14 +122,24 @@ def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) ->
             "offload_vs_plain_worst": min(per_round)}
 
 
-def run(quick: bool, repeats: int | None, device: str | None) -> dict:
+def run(quick: bool, repeats: int | None, device: str | None,
+        threads: int | None = None) -> dict:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     repeats = repeats or (3 if quick else 7)
     num_pages = 64 if quick else 256
-    cases = [bench_case(name, num_pages, repeats, dev) for name in ("contiguous", "scattered")]
+    threads = threads or torch.get_num_threads()
+    before = copy_threads(), torch.get_num_threads()
+    torch.set_num_threads(threads)   # the plain copy's team
+    set_copy_threads(threads)        # the page copier's
+    try:
+        cases = [bench_case(name, num_pages, repeats, dev)
+                 for name in ("contiguous", "scattered")]
+    finally:
+        set_copy_threads(before[0])
+        torch.set_num_threads(before[1])
     return {"device": str(dev), "page_size": PAGE_SIZE,
             "page_bytes": LAYOUT.page_bytes(PAGE_SIZE), "repeats": repeats,
-            "torch_threads": torch.get_num_threads(), "goal": GOAL, "cases": cases}
+            "torch_threads": threads, "copy_threads": threads, "goal": GOAL, "cases": cases}
 
 
 def judge(results: dict) -> Goals:
@@ -128,14 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_flags(parser, quick="32 MB rows, 3 repeats", repeats="7, 3 with --quick")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda "
                         "when available)")
+    parser.add_argument("--threads", type=int, default=None, help="threads of both the "
+                        "plain copy (torch intra-op) and the page copier (default: torch's "
+                        f"count, {torch.get_num_threads()} here)")
     args = parser.parse_args(argv)
-    results = run(args.quick, args.repeats, args.device)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: need at least 1")
+    results = run(args.quick, args.repeats, args.device, args.threads)
     goals = judge(results)
     if args.json:
         print(json.dumps({**results, **goals.to_dict()}, indent=2))
         return goals.exit_status(args)
     print(f"host offload on {results['device']}, pages of {results['page_bytes'] >> 10} KiB "
-          f"(page_size {PAGE_SIZE}), median of {results['repeats']} interleaved rounds:")
+          f"(page_size {PAGE_SIZE}), median of {results['repeats']} rounds (fastest of {TRIES} "
+          f"interleaved tries each); "
+          f"threads: plain copy_ {results['torch_threads']}, page copier "
+          f"{results['copy_threads']}:")
     print(f"  {'case':>10} {'MiB':>6} {'offload':>9} {'load':>9} {'plain':>9} {'ratio':>6} "
           f"{'worst':>6}  per round")
     for c in results["cases"]:

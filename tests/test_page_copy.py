@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.host import CopyEngine
-from common.kv import check_pages, copy_pages, page_runs
+from common.kv import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
+from common.kv.page_copy import SPLIT_ABOVE_BYTES, _share
 
 
 def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):
@@ -65,6 +66,54 @@ def test_page_ids_outside_either_pool_are_refused_before_any_copy(bad):
         copy_pages(src, np.array(bad), dst, np.array([1] * len(bad)))
     assert not dst.any()
     check_pages(np.array([0, 15]), 16)
+
+
+def test_runs_are_shared_out_by_whole_pages_in_order():
+    runs = [(3, 7, 3), (9, 2, 1), (12, 20, 5)]                   # 9 pages
+    assert _share(runs, 2) == [[(3, 7, 3), (9, 2, 1), (12, 20, 1)], [(13, 21, 4)]]
+    assert _share(runs, 3) == [[(3, 7, 3)], [(9, 2, 1), (12, 20, 2)], [(14, 22, 3)]]
+    assert _share([(5, 5, 4)], 4) == [[(5, 5, 1)], [(6, 6, 1)], [(7, 7, 1)], [(8, 8, 1)]]
+    assert _share(runs, 1) == [runs]
+
+
+@pytest.fixture
+def three_copy_threads():
+    before = copy_threads()
+    set_copy_threads(3)
+    yield
+    set_copy_threads(before)
+
+
+@pytest.mark.parametrize("page_kib", [16, 256])       # gathered below 32 KiB, else slices
+@pytest.mark.parametrize("case", ["dst runs", "both scattered", "one run"])
+def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads, page_kib,
+                                                             case):
+    page = (2, 2, 4, 4, page_kib * 16)                # float16 numpy pools: the slice path
+    n = 3 * SPLIT_ABOVE_BYTES // (page_kib << 10) + 7
+    src = np.random.default_rng(1).standard_normal((2 * n + 2, *page)).astype(np.float16)
+    dst = np.zeros_like(src)
+    rng = np.random.default_rng(2)
+    scattered = rng.permutation(np.arange(1, 2 * n + 2))[:n]
+    src_pages, dst_pages = {"dst runs": (scattered, np.arange(5, 5 + n)),
+                            "both scattered": (scattered, scattered[::-1].copy()),
+                            "one run": (np.arange(1, 1 + n), np.arange(n + 1, 2 * n + 1))}[case]
+    want = dst.copy()
+    want[dst_pages] = src[src_pages]
+    copy_pages(src, src_pages, dst, dst_pages)
+    assert np.array_equal(dst, want)
+    helpers = [t for t in threading.enumerate() if t.name.startswith("kv-page-copy")]
+    assert 1 <= len(helpers) <= 2                     # the caller did one share itself
+
+
+def test_a_failing_share_is_raised_after_every_share_ended(three_copy_threads):
+    src = np.ones((64, SPLIT_ABOVE_BYTES // 16), np.uint8)
+    dst = np.zeros_like(src)
+    dst.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        copy_pages(src, np.arange(1, 33), dst, np.arange(33, 64).tolist() + [1])
+    assert not dst.any()
+    with pytest.raises(ValueError, match="at least 1"):
+        set_copy_threads(0)
 
 
 class RecordingEngine(CopyEngine):

@@ -4,7 +4,7 @@ from common.kv.allocator import PageAllocator
 from common.kv.cache import KvCache
 from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
-from common.kv.page_copy import check_pages, copy_pages, page_runs
+from common.kv.page_copy import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
 from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
 from common.kv.reasons import FreeReason
@@ -13,5 +13,5 @@ from common.kv.shared_tensor import SegmentError, SharedTensor, valid_segment_na
 
 __all__ = ["PAGE_STATES", "FreeReason", "KvCache", "KvLayout", "KvRecord", "OutOfPages",
            "PageAllocator", "PoolStats", "RangeError", "SegmentError", "SharedTensor",
-           "ceil_align", "ceil_div", "check_pages", "copy_pages", "page_runs",
-           "valid_segment_name"]
+           "ceil_align", "ceil_div", "check_pages", "copy_pages", "copy_threads",
+           "page_runs", "set_copy_threads", "valid_segment_name"]

@@ -10,10 +10,14 @@ page; with head slices it must be ``[pages, layers, 2, page_size, heads, ...]``.
     dst pages  7 8 9 2 | 3
 
 How each run moves (measured on a 2-core CPU; one frame or copy per run, never per page):
-- CPU to CPU: one numpy slice assignment per run - a single-threaded memcpy; torch copies
-  from a second thread start their own OpenMP team (scattered 512 KiB pages loaded at 0.6x
-  a plain copy that way against 1.0x this way). One run of one big block stays with torch
-  when both sides are tensors, whose two-thread ``copy_`` was faster there.
+- CPU to CPU: one numpy slice assignment per run (numpy releases the GIL), the pages
+  shared out over ``copy_threads()`` threads once a copy moves ``SPLIT_ABOVE_BYTES`` - as
+  torch's ``copy_`` shares a big block over its OpenMP team. On the 2-core box, 256
+  scattered 512 KiB pages moved at 1.26 GB/s on one thread and 1.64 on two, against 1.87
+  for a two-thread ``copy_`` of the same bytes in one block (load 8); a decode landing
+  8 MiB tcp frames kept pace with raw pyzmq on two (1.06-1.24x) and not on one
+  (0.57-0.69x, load 7). Torch copies of single runs are no substitute: 0.2-0.6 GB/s.
+  One run of one big block stays with torch when both sides are tensors.
 - Scattered small pages on one device: ``index_select(out=...)`` gathers at near memcpy
   speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
   scattered too. Index ops on narrow dtypes run several times slower.
@@ -21,6 +25,12 @@ How each run moves (measured on a 2-core CPU; one frame or copy per run, never p
 """
 
 from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,6 +41,10 @@ Pool = torch.Tensor | np.ndarray
 # pages ran at about 2 GB/s, of 64-512 KiB pages at 4-11 GB/s, while gather/scatter on
 # an int64 view stayed near 2-3 GB/s whatever the page size.
 GATHER_BELOW_BYTES = 32 << 10
+# A CPU copy of at least this many bytes is shared out over ``copy_threads()`` threads;
+# below it, handing work to another thread (tens of microseconds) costs more than it saves.
+SPLIT_ABOVE_BYTES = 2 << 20
+MAX_COPY_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
@@ -83,11 +97,9 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
     numpy_pool = isinstance(src, np.ndarray) or isinstance(dst, np.ndarray)
     if _both_cpu(src, dst) and (numpy_pool or (len(runs) > 1 and not small)):
         src_np, dst_np = _byte_rows(src), _byte_rows(dst)
-        if small and len(runs) > 1:  # many short runs: one fancy-indexed gather + scatter
-            dst_np[np.asarray(dst_pages, np.int64)] = src_np[np.asarray(src_pages, np.int64)]
-            return len(runs)
-        for s, d, n in runs:
-            dst_np[d:d + n] = src_np[s:s + n]
+        gather = small and len(runs) > 1  # many short runs: fancy-indexed gather + scatter
+        _run_shared(src_np, np.asarray(src_pages, np.int64), dst_np,
+                    np.asarray(dst_pages, np.int64), runs, gather)
         return len(runs)
     if len(runs) > 1 and src.device == dst.device and _int64_viewable(src) and (
             small or len(page_runs(dst_pages)) * 4 <= len(dst_pages)):
@@ -151,3 +163,127 @@ def _byte_rows(t: Pool) -> np.ndarray:
 
 def _int64_viewable(t: torch.Tensor) -> bool:
     return t.is_contiguous() and (t[0].numel() * t.element_size()) % 8 == 0
+
+
+# -- CPU copies over several threads ------------------------------------------------------
+_threads = min(MAX_COPY_THREADS, len(os.sched_getaffinity(0)))
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def copy_threads() -> int:
+    """Threads a large CPU page copy is shared out over (the caller's included)."""
+    return _threads
+
+
+def set_copy_threads(n: int) -> None:
+    """Share large CPU page copies over ``n`` threads (1: the caller's thread only).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    global _threads, _pool
+    if n < 1:
+        raise ValueError(f"copy threads {n}: need at least 1")
+    with _pool_lock:
+        _threads = n
+        old, _pool = _pool, None
+    if old is not None:
+        old.shutdown(wait=True)
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, _threads - 1), thread_name_prefix="kv-page-copy")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    # a forked child has none of the parent's threads: its pool would never run a task
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
+                dst_pages: np.ndarray, runs: list[tuple[int, int, int]], gather: bool) -> None:
+    """Copy byte-row pages ``dst[dst_pages] = src[src_pages]`` (as ``runs``, or gathered
+    when ``gather``), shared out over ``copy_threads()`` threads by whole pages.
+
+    One contiguous share per thread, taken in turn: a helper that has not started when the
+    caller finishes its share leaves the next one to the caller (on a busy machine a
+    thread not scheduled yet holds nothing up). Finer pieces (1-16 MiB, taken in turn)
+    measured slower than halves on the 2-core box: 3.0-3.5 against 3.8-4.2 GB/s."""
+    total = len(src_pages) * src.shape[1]
+    if _threads < 2 or total < SPLIT_ABOVE_BYTES:
+        pieces = [(0, len(src_pages))] if gather else [runs]
+    else:
+        num = min(len(src_pages), _threads)
+        if gather:
+            cuts = np.linspace(0, len(src_pages), num + 1).astype(np.int64)
+            pieces = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+        else:
+            pieces = _share(runs, num)
+    if gather:
+        _run_pieces(pieces, lambda ab: _gather_part(src, src_pages[ab[0]:ab[1]], dst,
+                                                    dst_pages[ab[0]:ab[1]]))
+    else:
+        _run_pieces(pieces, lambda part: _slice_part(src, dst, part))
+
+
+def _gather_part(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
+                 dst_pages: np.ndarray) -> None:
+    dst[dst_pages] = src[src_pages]
+
+
+def _slice_part(src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+    for s, d, n in runs:
+        dst[d:d + n] = src[s:s + n]
+
+
+def _share(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """``runs`` cut into ``parts`` lists of (nearly) equal page counts, in order."""
+    total = sum(n for _, _, n in runs)
+    share = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for s, d, n in runs:
+        while n:
+            if not room:
+                out.append([])
+                room = share
+            k = min(n, room)
+            out[-1].append((s, d, k))
+            s, d, n, room = s + k, d + k, n - k, room - k
+    return out
+
+
+def _run_pieces(pieces: list, copy: Callable[[object], None]) -> None:
+    """``copy`` every piece: this thread and up to ``copy_threads() - 1`` helpers take the
+    next piece until none is left. Returns once every piece is copied and no helper
+    still writes; re-raises the first error then."""
+    if len(pieces) < 2:
+        for piece in pieces:
+            copy(piece)
+        return
+    taken = itertools.count()  # next() on a count is atomic under the GIL
+
+    def work() -> None:
+        while (i := next(taken)) < len(pieces):
+            copy(pieces[i])
+
+    pool = _helpers()
+    futures = [pool.submit(work) for _ in range(min(_threads, len(pieces)) - 1)]
+    try:
+        work()
+    finally:
+        for f in futures:
+            f.cancel()     # a helper that has not started yet finds nothing left anyway
+        errors = [f.exception() for f in futures if not f.cancelled()]
+    for exc in errors:
+        if exc is not None:
+            raise exc
