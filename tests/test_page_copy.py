@@ -11,7 +11,7 @@ import torch
 
 from common.host import CopyEngine
 from common.kv import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
-from common.kv.page_copy import SPLIT_ABOVE_BYTES, _share
+from common.kv.page_copy import SPLIT_ABOVE_BYTES, _helpers, _share
 
 
 def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):
@@ -90,7 +90,8 @@ def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads,
                                                              case):
     page = (2, 2, 4, 4, page_kib * 16)                # float16 numpy pools: the slice path
     n = 3 * SPLIT_ABOVE_BYTES // (page_kib << 10) + 7
-    src = np.random.default_rng(1).standard_normal((2 * n + 2, *page)).astype(np.float16)
+    src = np.random.default_rng(1).integers(0, 1 << 16, (2 * n + 2, *page),
+                                            np.uint16).view(np.float16)
     dst = np.zeros_like(src)
     rng = np.random.default_rng(2)
     scattered = rng.permutation(np.arange(1, 2 * n + 2))[:n]
@@ -100,7 +101,7 @@ def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads,
     want = dst.copy()
     want[dst_pages] = src[src_pages]
     copy_pages(src, src_pages, dst, dst_pages)
-    assert np.array_equal(dst, want)
+    assert np.array_equal(dst.view(np.uint16), want.view(np.uint16))  # NaN bit patterns too
     helpers = [t for t in threading.enumerate() if t.name.startswith("kv-page-copy")]
     assert 1 <= len(helpers) <= 2                     # the caller did one share itself
 
@@ -114,6 +115,21 @@ def test_a_failing_share_is_raised_after_every_share_ended(three_copy_threads):
     assert not dst.any()
     with pytest.raises(ValueError, match="at least 1"):
         set_copy_threads(0)
+
+
+def test_a_copy_never_waits_for_a_busy_helper(three_copy_threads):
+    """Two helpers, both held by another caller's work: this copy does every share itself."""
+    release = threading.Event()
+    held = [_helpers().submit(release.wait, 30) for _ in range(2)]
+    try:
+        src = np.random.default_rng(3).integers(0, 255, (40, SPLIT_ABOVE_BYTES // 8), np.uint8)
+        dst = np.zeros_like(src)
+        copy_pages(src, np.arange(1, 21), dst, np.arange(20, 40))
+        assert np.array_equal(dst[20:40], src[1:21]) and not dst[:20].any()
+        assert not any(f.done() for f in held)
+    finally:
+        release.set()
+    assert all(f.result(5) for f in held)
 
 
 class RecordingEngine(CopyEngine):
