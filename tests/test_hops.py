@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hops import judge, timeline
+from benchmarks.hops import judge, segments, timeline
 from common import trace
 from deploy.driver import Result
 
@@ -86,3 +86,14 @@ def test_transfer_time_is_measured_on_the_path(path):
                          cwd=REPO, timeout=120, check=True).stdout
     none, small, big = map(float, out.split())
     assert none == 0.0 and 0 < small < big
+
+
+def test_segments_split_a_prompt_at_its_pass():
+    res = {"a": _result("a", 1.000, 1.0100)}
+    ms = 1_000_000
+    marks = [(1000 * ms + 2 * ms, "prefill.start", "a#x-1"),
+             (1000 * ms + 8 * ms, "prefill.computed", "a#x-1"),
+             (1000 * ms + 3 * ms, "colocated.start", "a#y-1")]   # another deployment's
+    (before, during, after), = segments(res, marks, "1P1D").values()
+    assert (before, during, after) == pytest.approx((2.0, 6.0, 2.0))
+    assert segments(res, marks, "colocated") == {}      # its pass never ended

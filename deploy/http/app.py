@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from common import trace
 from common.metrics import render_snapshot
 from deploy.http import errors
 from deploy.http.asgi import EventStream, until_disconnect
@@ -103,11 +104,14 @@ class FrontDoor:
         return gen
 
     async def serve(self, request: Request, body, chat: bool):
+        t_in = trace.now_ns()
         self.check_key(request)
         view = self.view()
         lim, text = self.limits(view), self.text(view)
         plan = plan_chat(body, lim, text) if chat else plan_completion(body, lim, text)
         gen = self.admit(plan, text)
+        trace.mark("http.request_in", gen.rid, t_in)
+        trace.mark("http.submit_out", gen.rid)
         shaper = Shaper(gen, lim.model, chat)
         if plan.stream:
             return EventStream(self._stream(gen, shaper))
@@ -132,6 +136,8 @@ class FrontDoor:
                 yield first
             async for delta in gen.deltas():
                 yield shaper.chunk(delta)
+                if trace.enabled() and delta.ids and len(gen.ids) == len(delta.ids):
+                    trace.mark("http.first_out", gen.rid)  # written: the next one is asked
             if gen.failed_reason:
                 yield sse(error_body(503 if self.closing else 500,
                                      f"request failed ({gen.failed_reason}): {gen.error}"))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from common import trace
 from common.node import (
     Done,
     Error,
@@ -207,7 +208,14 @@ class RouterBridge:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, (StatusReport, MetricsSnapshot)):
             if isinstance(msg, StatusReport):
-                self.view = RouterView(msg.config, msg.workers, time.monotonic())
+                # the same config keeps the same object: what the front door derives
+                # from it (limits, the tokenizer: ~1 ms for the built-in one, far more
+                # for a checkpoint's) is cached by identity and must survive the status
+                # answer that comes every status_interval_s
+                config = msg.config
+                if self.view is not None and self.view.config == config:
+                    config = self.view.config
+                self.view = RouterView(config, msg.workers, time.monotonic())
             for fut in self._waiters[type(msg)]:
                 if not fut.done():
                     fut.set_result(msg)
@@ -220,6 +228,8 @@ class RouterBridge:
             return  # an answer to an abort of a request that already ended, or stale
         rid = msg.rid
         if isinstance(msg, Tokens):
+            if msg.first:
+                trace.mark("http.first_in", rid)
             if rid not in self._abandoned:
                 queue.put_nowait(Event(ids=list(msg.ids)))
         elif isinstance(msg, Done):
