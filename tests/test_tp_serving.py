@@ -120,3 +120,43 @@ def test_a_killed_rank_takes_its_group_down_and_the_deployment_serves_on(
         assert report.ok and not report.warnings, (name, report.format())
     torn = replay_file(tmp_path / "colocated0.tp1.freelog")  # SIGKILLed: no close, no harm
     assert not torn.violations, torn.format()
+
+
+def test_a_follower_whose_free_log_cannot_write_pauses_its_group_and_says_why(
+        start, tmp_path):
+    """The fault is real, as in test_freelog_deploy: RLIMIT_FSIZE on the running follower
+    (its free log's next write past the limit gets EFBIG). Rank 0 asks its followers
+    about their logs at every heartbeat: the group admits nothing new while the follower's
+    log fails, the router routes around it and says why, and it admits again once the
+    follower's writes go through; both logs hold every event exactly once."""
+    from tests.test_freelog_deploy import limit_files, unlimit, wait_for
+
+    cluster = start(2)
+    follower = next(p for p in cluster.procs if p.name == "colocated0.tp1").popen.pid
+    limit_files(follower, tmp_path, "colocated0.tp1", room=512)
+    vocab = CFG.model_config().vocab_size
+
+    def paused() -> str:
+        return cluster.client.status(5.0).workers["colocated0"]["paused"]
+
+    first = make_workload(WorkloadSpec(requests=12, seed=1, rate=0.0, prompt_len=(32, 60),
+                                       output_len=(8, 16)), vocab)
+    assert all(r.ok for r in drive(cluster.client, first, check=cluster.check).values())
+    why = wait_for(paused, 60, "colocated0 to pause on its follower's log")
+    assert "tp rank 1" in why and "colocated0.tp1.freelog" in why and "EFBIG" in why, why
+    during = make_workload(WorkloadSpec(requests=6, seed=2, rate=0.0), vocab)
+    assert all(r.ok for r in drive(cluster.client, during, check=cluster.check).values())
+    unlimit(follower)
+    wait_for(lambda: not paused(), 60, "colocated0 to admit again")
+    after = make_workload(WorkloadSpec(requests=6, seed=3, rate=0.0), vocab)
+    assert all(r.ok for r in drive(cluster.client, after, check=cluster.check).values())
+    cluster.stop()
+    cluster.check_exit_codes()
+    for name in ("colocated0", "colocated0.tp1"):
+        report = replay_file(tmp_path / f"{name}.freelog")
+        assert report.ok and report.closed, (name, report.format())
+    with FreeLogReader(tmp_path / "colocated0.freelog") as log:
+        # owners are the router's ids, "<label>#<run>-<n>"
+        labels = {e["owner"].split("#")[0] for e in log.records if e.get("op") == "alloc"}
+    assert {r.rid for r in first} & labels  # it served before: the check below can fail
+    assert not labels & {r.rid for r in during}  # nothing new admitted while paused

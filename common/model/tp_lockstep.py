@@ -74,8 +74,8 @@ class TpStep:
     """What every follower does next: apply ``ops``, then run ``kind``."""
 
     kind: str
-    """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about) or
-    stop."""
+    """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about),
+    health (free-log problems asked for) or stop."""
     ops: list[bytes] = field(default_factory=list)
     draft: bool = False
     owners: list[str] = field(default_factory=list)
@@ -154,6 +154,23 @@ class Lockstep:
             raise
         self._last = time.monotonic()
         return verdicts
+
+    def health(self) -> list[str]:
+        """Each follower's free-log problems (``""``: its logs write), in rank order: the
+        step says what is asked, then one gather (sizes first: every rank knows the
+        shape). Rank 0 pauses admission on them as on its own (``WorkerBase``)."""
+        if self.lost is not None:
+            raise GroupLost(f"tp group already lost: {self.lost}")
+        with self._lock:
+            ops, self._ops, self._urgent = self._ops, [], False
+        try:
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops)))
+            got = self.group.gather_bytes(b"")
+        except GroupLost as exc:
+            self.lost = exc
+            raise
+        self._last = time.monotonic()
+        return [g.decode(errors="replace") for g in got[1:]]
 
     def keepalive(self) -> None:
         """Called after every tick: the ops recorded since the last step go out at once

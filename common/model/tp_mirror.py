@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from common.codec import DecodeError, unpack_ids
+from common.freelog import log_problems
 from common.kv import KvRecord
 from common.model.runner import BatchItem, ModelRunner
 from common.model.tp_lockstep import CODEC, OP_CODEC, TpKvOp, TpStep
@@ -71,7 +72,14 @@ class Mirror:
         elif step.kind == "agree":  # same count on every rank: rank 0 sent the rids
             self.group.all_min([self.transfer.status(rid) if self.transfer else 1
                                 for rid in step.owners])
+        elif step.kind == "health":
+            self.group.gather_bytes(self.log_problems().encode())
         return True
+
+    def log_problems(self) -> str:
+        """This rank's free logs that cannot write now ("" when they all can)."""
+        failing = [h.summary() for h in log_problems() if not h.ok]
+        return f"tp rank {self.rank}: {'; '.join(failing)}" if failing else ""
 
     def _forward(self, step: TpStep) -> None:
         ids = unpack_ids(step.tokens, "tokens").tolist()

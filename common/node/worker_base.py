@@ -330,8 +330,11 @@ class WorkerBase(ABC):
 
     def _check_free_logs(self) -> None:
         """While a free log cannot write, admit nothing new (the router stops routing here
-        on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md)."""
+        on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md). In a
+        tensor-parallel group that is any rank's log (rank 0 asks its followers)."""
         failing = [h.summary() for h in log_problems() if not h.ok]
+        if self.lockstep is not None:  # every rank's logs count: each follower is asked
+            failing += [why for why in self.lockstep.health() if why]
         why = "; ".join(failing)
         if failing and self.config.freelog_on_error == "exit":
             raise FreeLogFailed(f"{self.name}: exiting (freelog_on_error=exit): {why}")
