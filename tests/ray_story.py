@@ -200,6 +200,29 @@ def story_tp(work: Path, reference: dict) -> dict:
     return out
 
 
+def story_tp_disagg(work: Path, reference: dict) -> dict:
+    """2P1D with tensor-parallel prefills of two ranks each: each group in its own
+    placement group on one node, spread across the nodes; every prefill rank binds its
+    node's address, the decode streams each half of the heads from the rank holding it;
+    token identity; every rank's log clean."""
+    cfg = CFG.with_overrides(offload=False, prefill_tp=2, tp_timeout_s=20.0)
+    t0 = time.monotonic()
+    cluster = RayCluster(cfg, "disagg", 2, 1, str(work / "tp2-2p1d"), placement="spread")
+    out: dict = {}
+    try:
+        cluster.start()
+        out["startup_s"] = time.monotonic() - t0
+        out["nodes"] = _nodes(cluster)
+        reqs = make_workload(_spec(3), CFG.model_config().vocab_size)
+        out["identical"] = _outputs(drive(cluster.client, reqs, check=cluster.check,
+                                          timeout_s=60)) == reference
+    finally:
+        cluster.stop()
+    out["log_problems"] = _logs_clean(cluster)
+    out["logs"] = sorted(p.name for p in cluster.freelogs())
+    return out
+
+
 def story_serve_cli(work: Path, address: str, seed: int, reference: dict) -> dict:
     """``pdkv serve --cluster ray``: the front door is an actor too; completions over
     HTTP equal the reference; SIGINT shuts everything down and replays the free logs."""
@@ -253,6 +276,7 @@ def main(out_path: str, workdir: str) -> None:
         result["serve"] = story_serve_cli(work, nodes.address, 3, ref3)
         result["2p1d"] = story_serve(work, 2, ref3, ref5)
         result["tp2"] = story_tp(work, ref3)
+        result["tp2_disagg"] = story_tp_disagg(work, ref3)
     finally:
         nodes.stop()
         result["total_s"] = time.monotonic() - t0

@@ -2,7 +2,9 @@
 the story runs in a network namespace with nothing but ``lo``, Ray's token
 authentication on. Placement spread across the nodes, 1P1D and 2P1D token-identical to
 the reference, a decode's actor killed (the router sees it lost), restarted by Ray and
-serving again, a colocated worker of two ranks in one placement group, every free log
+serving again, a colocated worker of two ranks in one placement group, 2P1D with
+tensor-parallel prefills of two ranks (each group on one node, the groups on different
+nodes) token-identical to the reference, every free log
 clean (the killed incarnation's may lack its close); a deployment that cannot be placed
 is refused up front. The placement planner's choices are unit-tested without Ray.
 
@@ -54,7 +56,8 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     r = json.loads(out.read_text())
     print(json.dumps({"ray_start_s": r["ray_start_s"], "total_s": r["total_s"],
                       "serve_startup_s": r["serve"].get("startup_s"),
-                      "2p1d_startup_s": r["2p1d"].get("startup_s")}))
+                      "2p1d_startup_s": r["2p1d"].get("startup_s"),
+                      "tp2_2p1d_startup_s": r["tp2_disagg"].get("startup_s")}))
     assert r["unplaceable"].startswith("cannot place router") or \
         "cannot place prefill 'prefill0'" in r["unplaceable"], r["unplaceable"]
     assert "GPU: 1" in r["unplaceable"] and "GPU: 0" in r["unplaceable"], r["unplaceable"]
@@ -72,6 +75,12 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     assert tp["identical"] and not tp["log_problems"], tp
     assert tp["nodes"]["colocated0"] == tp["nodes"]["colocated0.tp1"], tp["nodes"]
     assert tp["logs"] == ["colocated0.freelog", "colocated0.tp1.freelog"], tp["logs"]
+    tpd = r["tp2_disagg"]  # 2P1D, each prefill a TP2 group: its ranks on one node
+    assert tpd["identical"] and not tpd["log_problems"], tpd
+    assert tpd["nodes"]["prefill0"] == tpd["nodes"]["prefill0.tp1"] != \
+        tpd["nodes"]["prefill1"] == tpd["nodes"]["prefill1.tp1"], tpd["nodes"]
+    assert tpd["logs"] == ["decode0.freelog", "prefill0.freelog", "prefill0.tp1.freelog",
+                           "prefill1.freelog", "prefill1.tp1.freelog"], tpd["logs"]
 
 
 def _nodes(*cpus: float, gpus: float = 0) -> list[NodeInfo]:

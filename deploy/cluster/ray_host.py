@@ -15,8 +15,9 @@ one's lease to run out (the router must declare it lost before the name is free 
 then starts the command again; the worker registers anew and serves.
 
 ``{ip}`` and ``{port}`` in the command line become the node's address and a free port
-there, so addresses are advertised with the node's address: same node means shared
-memory between prefill and decode, different nodes ZMQ frames.
+there (``{port2}``: a second one, for a process that binds two), so addresses are
+advertised with the node's address: same node means shared memory between prefill and
+decode, different nodes ZMQ frames.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class ProcHost:
             time.sleep(restart_delay_s)
         ip = ray.util.get_node_ip_address()
         port = _free_port(ip)
-        self.argv = [a.replace("{ip}", ip).replace("{port}", str(port)) for a in argv]
+        port2 = next(p for p in iter(lambda: _free_port(ip), None) if p != port)
+        self.argv = [a.replace("{ip}", ip).replace("{port}", str(port))
+                     .replace("{port2}", str(port2)) for a in argv]
         self.node = {"ip": ip, "node_id": ctx.get_node_id()}
         shim = [sys.executable, "-m", "deploy.cluster.deathsig", str(os.getpid())]
         with open(log_path, "ab") as log:  # no preexec_fn: see deathsig.py

@@ -93,6 +93,8 @@ class RayCluster(Cluster):
         for p in procs:  # a group's rendezvous is on its rank 0's node (all ranks share it)
             if "--tp-address" in p.argv and p.role != RANK:
                 p.argv[p.argv.index("--tp-address") + 1] = "tcp://{ip}:{port}"
+                if "--kv-bind" in p.argv:  # a prefill's rank 0 binds its KV port too
+                    p.argv[p.argv.index("--kv-bind") + 1] = "tcp://{ip}:{port2}"
         if self.metrics_port is not None:
             procs[0].argv[procs[0].argv.index("--metrics-host") + 1] = "{ip}"
         if self.frontend_args is not None:
