@@ -112,6 +112,15 @@ class ServeConfig:
     once."""
     request_timeout_s: float = 600.0
     """Router: a request with no result after this long fails with 'timeout'."""
+    encode_threads: int = 2
+    """Router: threads that encode text requests (tokenizer, chat template), off the loop
+    that serves every other request and the heartbeats."""
+    encode_queue: int = 64
+    """Router: text requests queued or being encoded at most; one more is refused at once
+    (``overloaded``)."""
+    encode_timeout_s: float = 60.0
+    """Router: a text request not encoded this long after it came fails with
+    ``encode_timeout`` (it was never routed: nothing to free)."""
     prefill_tp: int = 1
     """Ranks (devices, processes) of each prefill worker's tensor-parallel group."""
     decode_tp: int = 1
@@ -186,6 +195,10 @@ class ServeConfig:
                              "be >= 1")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
+        if self.encode_threads < 1 or self.encode_queue < 1 or self.encode_timeout_s <= 0:
+            raise ValueError(f"encode_threads={self.encode_threads} and encode_queue="
+                             f"{self.encode_queue} must be >= 1, encode_timeout_s="
+                             f"{self.encode_timeout_s} > 0")
         if self.debug_copy_delay_s < 0 or self.debug_build_delay_s < 0:
             raise ValueError("debug_copy_delay_s and debug_build_delay_s must be >= 0")
         self._check_tp()

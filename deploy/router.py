@@ -4,7 +4,8 @@ Clients and workers connect DEALER sockets to the router's one ROUTER socket
 (``common.node.control``). For each submitted request the router
 
 1. validates it (``common.request.validate``) against the model and the pools that
-   registered, answering ``error`` to the client for a bad one;
+   registered, answering ``error`` to the client for a bad one; a text request is
+   encoded on a thread first (``deploy.text_encoder``), never in this loop;
 2. picks a decode (least reserved tokens per pool token) and a prefill (fewest prompt
    tokens assigned and not yet prefilled), or one colocated worker;
 3. sends ``req`` to both; the decode preallocates and announces to the prefill itself;
@@ -70,9 +71,13 @@ from deploy.placement import WorkerInfo, admits_at_once, pick
 from deploy.roles import is_operator, may_send
 from deploy.router_metrics import RouterMetrics
 from deploy.routes import Route, RouteTable
+from deploy.text_encoder import EncodeFailed, EncodeTimeout, Job, Overloaded, TextEncoder
+from deploy.text_route import TextRoute
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
+_ENCODING_POLL_S = 0.002
+"""The loop's wait while texts are being encoded: a finished one is routed this soon."""
 _WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
 """Accepted only from a peer that registered as a worker."""
 
@@ -93,6 +98,8 @@ class Router:
                  metrics_port: int | None = None) -> None:
         self.config = config
         self.door = Door(config)
+        self.encoder = TextEncoder(config.encode_threads, config.encode_queue,
+                                   config.encode_timeout_s)
         self.deployment = keys.deployment_id if keys else ""
         self.kv_auth = kv_plane(keys, config.kv_security)
         self.ctx = zmq.Context()
@@ -120,7 +127,7 @@ class Router:
             Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
             Error: self._on_error, Malformed: self._on_malformed,
             MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query}
-        self.metrics = RouterMetrics(lambda: len(self.routes))
+        self.metrics = RouterMetrics(lambda: len(self.routes), lambda: len(self.encoder))
         if metrics_port is not None:
             self.metrics.serve_http(metrics_host, metrics_port)
 
@@ -135,12 +142,13 @@ class Router:
                            self.address)
         try:
             while not self._shutdown_complete():
-                item = self.hub.recv(0.05)
+                item = self.hub.recv(_ENCODING_POLL_S if len(self.encoder) else 0.05)
                 while item is not None:
                     self.dispatch(*item)
                     item = self.hub.recv(0)
                 self._tick(time.monotonic())
         finally:
+            self.encoder.close()
             self.metrics.close()
             self.hub.close()
             self.ctx.term()
@@ -376,21 +384,65 @@ class Router:
 
     # -- clients -------------------------------------------------------------------------
     def _on_submit(self, peer: bytes, msg: Submit) -> None:
-        t_in = trace.now_ns()
+        t_in, now = trace.now_ns(), time.monotonic()
         try:
+            if (peer, msg.rid) in self.encoder:
+                raise BadRequest(f"rid {msg.rid!r} is already in flight (its text is being "
+                                 "encoded); wait for its done or abort it before reusing it")
             rid = self.routes.new_rid(peer, msg.rid)
-            prompt, params, text = self.door.admit(msg, self.workers.values())
-            decode, prefill = pick(self.workers.values(), len(prompt),
-                                   len(prompt) + params.max_new_tokens)
+            if self.door.is_text(msg):   # encoded on a thread; routed by _tick_encoded
+                self.encoder.start((peer, msg.rid), self.door.text_job(msg), (rid, t_in),
+                                   now)
+                return
+            self._admitted(peer, msg.rid, rid, now, t_in,
+                           self.door.admit(msg, self.workers.values()))
         except BadRequest as exc:
-            self.errors["bad_request"] += 1
-            self.hub.send(peer, Error(msg.rid, str(exc), "bad_request"))
-            return
-        self._route(Route(rid, msg.rid, peer, decode.name, prefill.name if prefill else "",
-                          len(prompt), len(prompt) + params.max_new_tokens,
-                          time.monotonic(), text=text), prompt, params, decode, prefill)
+            self._refuse_submit(peer, msg.rid, exc)
+
+    def _admitted(self, peer: bytes, label: str, rid: str, t_submit: float, t_in: int,
+                  admitted: tuple[list[int], SamplingParams, TextRoute | None]) -> None:
+        """Place and route a request that passed the door (``t_in``: its arrival, for
+        the trace).
+
+        Raises:
+            BadRequest: no worker can take it."""
+        prompt, params, text = admitted
+        decode, prefill = pick(self.workers.values(), len(prompt),
+                               len(prompt) + params.max_new_tokens)
+        self._route(Route(rid, label, peer, decode.name, prefill.name if prefill else "",
+                          len(prompt), len(prompt) + params.max_new_tokens, t_submit,
+                          text=text), prompt, params, decode, prefill)
         trace.mark("router.submit_in", rid, t_in)
         trace.mark("router.req_out", rid)
+
+    def _refuse_submit(self, peer: bytes, label: str, exc: BadRequest) -> None:
+        if isinstance(exc, Overloaded):
+            self.metrics.encoded(None, type(exc).__name__)
+        code = ("overloaded" if isinstance(exc, Overloaded) else "encode_timeout"
+                if isinstance(exc, EncodeTimeout) else "encode_failed"
+                if isinstance(exc, EncodeFailed) else "bad_request")
+        self.errors[code] += 1
+        self.hub.send(peer, Error(label, str(exc), code))
+
+    def _tick_encoded(self, now: float) -> None:
+        """Route the text requests whose encoding finished; fail the ones that failed
+        or passed ``encode_timeout_s``."""
+        for job in self.encoder.take(now):
+            self._encoded(job)
+
+    def _encoded(self, job: Job) -> None:
+        peer, label = job.key
+        self.metrics.encoded(job.t_done - job.t_submit if job.error is None else None,
+                             type(job.error).__name__ if job.error else "")
+        try:
+            if job.error is not None:
+                raise job.error
+            prompt, params, text = job.result
+            rid, t_in = job.context
+            self._admitted(peer, label, rid, job.t_submit, t_in,
+                           self.door.check(prompt, params, text, self.workers.values()))
+        except BadRequest as exc:
+            self._refuse_submit(peer, label, exc)
 
     def _route(self, route: Route, prompt: list[int], params: SamplingParams,
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
@@ -410,6 +462,12 @@ class Router:
             self._send_worker(decode.name, req)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
+        if self.encoder.cancel((peer, msg.rid)) is not None:
+            # never routed: no worker holds anything for it
+            self.hub.send(peer, Done(msg.rid, "aborted", error="aborted while its text "
+                                     "was being encoded"))
+            self.metrics.finished("", "aborted")
+            return
         route = self.routes.of_client(peer, msg.rid)
         if route is None and is_operator(self.identities.get(peer, "")):
             route = self.routes.get(msg.rid)  # an operator aborts by the router's id
@@ -430,13 +488,15 @@ class Router:
         self.hub.send(peer, StatusReport(
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
                               "paused": w.paused} for w in self.workers.values()},
-            in_flight=len(self.routes), config=self.config.to_dict(),
+            in_flight=len(self.routes) + len(self.encoder), config=self.config.to_dict(),
             errors={**self.errors, **({"unauthenticated": self.hub.refused}
                                       if self.hub.refused else {})},
             metrics_url=self.metrics.url, nonce=msg.nonce))
 
     def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
         logger.info("router: shutdown requested")
+        for client, label in self.encoder.cancel_all():   # never routed: nothing to free
+            self.hub.send(client, Error(label, "the router is shutting down", "shutdown"))
         self.shutdown_by, self.t_shutdown = peer, time.monotonic()
         for w in self.workers.values():
             if not w.lost:
@@ -493,6 +553,7 @@ class Router:
                 self._fail(route, "error", f"worker {w.name} lost: {why}")
 
     def _tick(self, now: float) -> None:
+        self._tick_encoded(now)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_s
             for w in self.workers.values():

@@ -20,10 +20,13 @@ logger = logging.getLogger(__name__)
 class RouterMetrics:
     """Counting at the router's request transitions; gathering the workers' reports."""
 
-    def __init__(self, in_flight) -> None:
+    def __init__(self, in_flight, encoding=lambda: 0) -> None:
         self.node = NodeMetrics("router")
         self.gatherer = Gatherer(self.node)
         self.node.gauge("pdkv_requests_in_flight").set_function(in_flight)
+        self.node.gauge("pdkv_text_encoding_requests").set_function(encoding)
+        self._encode = self.node.histogram("pdkv_text_encode_seconds")
+        self._encode_failures = self.node.counter("pdkv_text_encode_failures_total")
         self._requests = self.node.counter("pdkv_requests_total")
         self._ttft = self.node.histogram("pdkv_ttft_seconds")
         self._tpot = self.node.histogram("pdkv_tpot_seconds")
@@ -34,6 +37,18 @@ class RouterMetrics:
     # -- requests ------------------------------------------------------------------------
     def submitted(self, rid: str, t: float) -> None:
         self._timing[rid] = [t, 0.0, 0.0, 0]
+
+    _ENCODE_FAILURES = {"EncodeTimeout": "timeout", "EncodeFailed": "error",
+                        "Overloaded": "overloaded"}
+
+    def encoded(self, seconds: float | None, error: str) -> None:
+        """A text request's encoding ended: in ``seconds`` (submit to ids), or failed
+        (``error``: the exception's class name; a bad request, such as a text longer
+        than the context, is no encoding failure)."""
+        if seconds is not None:
+            self._encode.observe(seconds)
+        elif error in self._ENCODE_FAILURES:
+            self._encode_failures.labels(reason=self._ENCODE_FAILURES[error]).inc()
 
     def tokens(self, rid: str, n: int) -> None:
         timing = self._timing.get(rid)

@@ -4,6 +4,7 @@ and the router. Every message goes through the real codec, so it is wire-valid."
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 
 from common.node import CODEC, ControlHub, ControlLink, Malformed, Message
@@ -71,3 +72,13 @@ class FakeHub(ControlHub):
                 if p == peer and (kind is None or isinstance(m, kind))]
         self.sent = [x for x in self.sent if x not in mine]
         return [m for _, m in mine]
+
+
+def settle(router, timeout_s: float = 30.0) -> None:
+    """Let ``router`` (in process) route every text request it is encoding: wait for the
+    encoding threads, then run the loop's step that takes their results."""
+    deadline = time.monotonic() + timeout_s
+    while len(router.encoder):
+        assert time.monotonic() < deadline, f"{len(router.encoder)} texts still encoding"
+        router.encoder.wait(0.05)
+        router._tick_encoded(time.monotonic())

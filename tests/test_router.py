@@ -26,7 +26,7 @@ from common.node import (
 from common.request import BadRequest
 from deploy.placement import WorkerInfo, admits_at_once, pick
 from deploy.router import Router
-from tests.fakes import FakeHub
+from tests.fakes import FakeHub, settle
 
 CFG = ServeConfig(page_size=4, decode_pages=101, prefill_pages=51, heartbeat_s=0.5,
                   lease_s=3.0)
@@ -307,8 +307,12 @@ def test_a_rid_that_cannot_name_a_request_everywhere_is_refused(router, label):
 def test_a_text_too_long_for_the_context_is_refused_before_encoding(router, text, messages):
     _deployment(router)
     router.dispatch(CLIENT, Submit("t", b"", {}, text=text, messages=messages))
-    (err,) = router.hub.take(CLIENT, Error)
-    assert "text of 72000 characters exceeds the model's context of 4096" in err.error
+    settle(router)   # the first text builds the tokenizer on an encoding thread
+    router.dispatch(CLIENT, Submit("u", b"", {}, text=text, messages=messages))  # in the loop
+    errors = router.hub.take(CLIENT, Error)
+    assert [e.rid for e in errors] == ["t", "u"]
+    for err in errors:
+        assert "text of 72000 characters exceeds the model's context of 4096" in err.error
     assert not router.hub.take(b"d0", Req)
 
 

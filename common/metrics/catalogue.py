@@ -103,6 +103,16 @@ METRICS: tuple[MetricDef, ...] = (
     # -- serving --------------------------------------------------------------------------
     MetricDef("pdkv_requests_in_flight", "gauge", "Requests the router has routed and not "
               "finished.", (), "router"),
+    MetricDef("pdkv_text_encoding_requests", "gauge", "Text requests the router is "
+              "encoding (tokenizer, chat template) or has queued for its encoding threads; "
+              "they are routed once encoded.", (), "router"),
+    MetricDef("pdkv_text_encode_seconds", "histogram", "Per text request encoded, its "
+              "submission to its token ids (queueing for an encoding thread included).",
+              (), "router", LATENCY_BUCKETS),
+    MetricDef("pdkv_text_encode_failures_total", "counter", "Text requests that got no ids: "
+              "timeout (past encode_timeout_s), error (the tokenizer or chat template "
+              "failed), overloaded (encode_queue full). Bad requests (a text longer than "
+              "the context) are refused as such, not counted here.", ("reason",), "router"),
     MetricDef("pdkv_requests_total", "counter", "Finished requests by final reason (stop, "
               "length, aborted, error, timeout).", ("reason",), "router"),
     MetricDef("pdkv_prompt_tokens_total", "counter", "Prompt tokens of the requests a worker "
