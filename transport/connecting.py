@@ -75,13 +75,14 @@ def answer(ours: Hello, address: str, frames: list[zmq.Frame]) -> Hello | None:
     try:
         msg = decode(frames[0].buffer)
     except ProtocolError as exc:
-        raise handshake.HandshakeError(f"{address}: bad handshake answer: {exc}") from None
+        raise handshake.HandshakeError(f"{address}: bad handshake answer: {exc}",
+                                       "answer") from None
     if isinstance(msg, Error):
-        raise handshake.HandshakeError(f"{address}: {msg.code}: {msg.detail}")
+        raise handshake.HandshakeError(f"{address}: {msg.code}: {msg.detail}", "peer_refused")
     if not isinstance(msg, Hello):
         return None
     handshake.check(ours, msg)
     if msg.shm_pool not in ("", ours.shm_pool):
         raise handshake.HandshakeError(f"{address}: prefill maps pool {msg.shm_pool!r}, "
-                                       f"we offered {ours.shm_pool!r}")
+                                       f"we offered {ours.shm_pool!r}", "shm_pool")
     return msg

@@ -20,7 +20,26 @@ _MUST_MATCH = ("version", "model", "model_digest", "num_layers", "num_draft_laye
 
 
 class HandshakeError(RuntimeError):
-    """The peer's version, model, KV layout or TP setup is incompatible with ours."""
+    """The peer's version, model, KV layout or TP setup is incompatible with ours.
+
+    ``field`` names what differed (a ``Hello`` field such as ``page_size``, or ``ranks``,
+    ``shm_pool``, ``answer`` for a reply that is no ``Hello``, ``peer_refused`` for an
+    ``Error`` reply): the ``field`` label of ``pdkv_transfer_handshake_failures_total``.
+    """
+
+    def __init__(self, message: str, field: str = "other") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def count_failure(stats, reason: str, field: str) -> None:
+    """Count a failed handshake (``reason``: mismatch, refused or timeout) in an
+    endpoint's ``stats``, as ``transport.metrics`` reads them."""
+    stats["errors.handshake" if reason != "timeout" else "timeouts.handshake"] += 1
+    stats[f"{_FAILED}{reason}.{field}"] += 1
+
+
+_FAILED = "handshake_failed."
 
 
 def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str,
@@ -48,20 +67,21 @@ def check(mine: Hello, theirs: Hello) -> None:
         a, b = getattr(mine, name), getattr(theirs, name)
         if a != b:
             raise HandshakeError(f"handshake mismatch on {name}: ours ({mine.node}) is {a!r}, "
-                                 f"peer {theirs.node} has {b!r}")
+                                 f"peer {theirs.node} has {b!r}", name)
     if mine.role == theirs.role or {mine.role, theirs.role} != {"prefill", "decode"}:
         raise HandshakeError(f"handshake mismatch on role: ours is {mine.role!r}, peer "
-                             f"{theirs.node} is {theirs.role!r}; need prefill <-> decode")
+                             f"{theirs.node} is {theirs.role!r}; need prefill <-> decode", "role")
     _check_tp(theirs)
 
 
 def _check_tp(peer: Hello) -> None:
     if peer.tp_size < 1 or not 0 <= peer.tp_rank < peer.tp_size:
         raise HandshakeError(f"handshake mismatch on tp_rank: peer {peer.node} has "
-                             f"tp_rank={peer.tp_rank}, tp_size={peer.tp_size}")
+                             f"tp_rank={peer.tp_rank}, tp_size={peer.tp_size}", "tp_rank")
     if peer.total_kv_heads % peer.tp_size:
         raise HandshakeError(f"handshake mismatch on tp_size: peer {peer.node} splits "
-                             f"{peer.total_kv_heads} KV heads over tp_size={peer.tp_size}")
+                             f"{peer.total_kv_heads} KV heads over tp_size={peer.tp_size}",
+                             "tp_size")
     if peer.lease_ms < 1:
         raise HandshakeError(f"handshake mismatch on lease_ms: peer {peer.node} has "
-                             f"{peer.lease_ms}")
+                             f"{peer.lease_ms}", "lease_ms")

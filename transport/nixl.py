@@ -274,5 +274,6 @@ def negotiate(mine: Hello, theirs: Hello) -> bool:
                 f"{other.node} (kv_transport={other.kv_transport!r}) "
                 f"{'offers' if offered(other) else 'does not offer'} it and "
                 f"{hello.node} {'offers' if offered(hello) else 'does not offer'} it "
-                "(see both logs: NIXL not installed, or the peer's metadata refused)")
+                "(see both logs: NIXL not installed, or the peer's metadata refused)",
+                "kv_transport")
     return False

@@ -122,8 +122,12 @@ class ReceiverLink:
                     continue
                 self._join(group, conn)
             except (handshake.HandshakeError, TimeoutError) as exc:
-                self.stats["timeouts.handshake" if isinstance(exc, TimeoutError)
-                           else "errors.handshake"] += 1
+                if isinstance(exc, TimeoutError):
+                    handshake.count_failure(self.stats, "timeout", "none")
+                elif exc.field == "peer_refused":   # its Error answer says why
+                    handshake.count_failure(self.stats, "refused", "peer")
+                else:
+                    handshake.count_failure(self.stats, "mismatch", exc.field)
                 if isinstance(exc, TimeoutError) and self.auth.secured:
                     exc = TimeoutError(f"{exc} (KV credentials refused? both ends must be "
                                        "of one deployment)")
@@ -140,7 +144,7 @@ class ReceiverLink:
         ranks, size = sorted(h.tp_rank for h in hellos), hellos[0].tp_size
         if ranks != list(range(size)):
             raise handshake.HandshakeError(f"prefill group {conn.addresses} has ranks "
-                                           f"{ranks}, expected 0..{size - 1}")
+                                           f"{ranks}, expected 0..{size - 1}", "ranks")
         # NIXL first, for every rank: a rank that refuses it (HandshakeError) fails the
         # whole group before any of its ranks joins
         nixl_ranks = [nixl.negotiate(self.hello, theirs) for theirs in hellos]

@@ -135,7 +135,7 @@ class SenderLink:
         except handshake.HandshakeError as exc:
             # answer without our NIXL agent, so that the decode sees the refusal too
             self.send(key, dataclasses.replace(self.hello, nixl_agent=""))
-            self.stats["errors.handshake"] += 1
+            handshake.count_failure(self.stats, "mismatch", exc.field)
             logger.error("%s: %s", self.config.node, exc)
             out.events.append(Event(EventKind.HANDSHAKE_FAILED, detail=str(exc),
                                     peer=theirs.node))
@@ -182,7 +182,7 @@ class SenderLink:
                     exc: SegmentError) -> None:
         """A decode offered a pool we must not map: refuse the handshake, loudly."""
         self.stats["shm_refused"] += 1
-        self.stats["errors.handshake"] += 1
+        handshake.count_failure(self.stats, "refused", "shm_pool")
         detail = f"refused the offered shared-memory pool: {exc}"
         logger.error("%s: handshake from %r %s", self.config.node, theirs.node, detail)
         self.send(key, Error(code=ErrorCode.HANDSHAKE.value, detail=detail, rid=""))

@@ -91,8 +91,15 @@ METRICS: tuple[MetricDef, ...] = (
               "tcp or ipc (ZMQ frames). A same-host pair whose shared memory could not be "
               "mapped shows tcp or ipc here.", ("peer", "path")),
     MetricDef("pdkv_transfer_handshake_failures_total", "counter", "KV handshakes that "
-              "failed: mismatch (version, model, layout or TP ranks differ; the log names "
-              "the field) or timeout (no answer).", ("reason",)),
+              "failed, by reason and field. mismatch: the Hello field that differed "
+              "(version, model, model_digest, num_layers, num_draft_layers, total_kv_heads, "
+              "head_dim, dtype, page_size, role, tp_rank, tp_size, lease_ms, kv_transport, "
+              "shm_pool; ranks: a prefill group's ranks; answer: a reply that is no Hello). "
+              "refused: auth (prefill: a connection whose KV credentials were refused), "
+              "shm_pool (prefill: the decode's shared pool could not be mapped safely), "
+              "peer (decode: the prefill answered with an error). timeout (field none): no "
+              "answer within handshake_timeout_s (a decode with wrong KV credentials sees "
+              "this).", ("reason", "field")),
     MetricDef("pdkv_transfer_protocol_errors_total", "counter", "Protocol errors reported "
               "or received, by error code.", ("code",)),
     MetricDef("pdkv_transfer_lease_expiries_total", "counter", "KV peers declared lost "
