@@ -21,12 +21,13 @@ copies, reaps and closes both pools after the worker ended every request.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from common.config import ServeConfig
 from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.kv import FreeReason, KvCache
-from common.metrics import host_readings, spec_readings
+from common.metrics import abort_readings, host_readings, spec_readings
 from common.model import ModelRunner
 from common.node import Done, Load, Message, Tokens
 from common.request import ReqState, Request, check_transition
@@ -79,6 +80,8 @@ class DecodeScheduler:
         self.retraction = Retractor(self.host_connector, self.batch, cfg.spec_k) \
             if not whole_life else None
         self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
+        self.aborted_in: Counter[str] = Counter()
+        """Aborted requests by the stage (``ReqState``, lower case) they were in."""
 
     def find(self, rid: str) -> Request | None:
         """The live request ``rid`` (queued, admitted, decoding or retracted)."""
@@ -166,6 +169,8 @@ class DecodeScheduler:
         logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
                     f" ({detail})" if detail else "")
         self.counts["aborted" if reason == "aborted" else "failed"] += 1
+        if reason == "aborted":
+            self.aborted_in[req.state.name.lower()] += 1
         self._free_request(req, reason, detail)
 
     # -- overcommit: retraction under pressure (decode_node/retraction.py) -----------------
@@ -246,6 +251,7 @@ class DecodeScheduler:
     def metric_readings(self) -> list:
         """Speculation, prefix-hit and host-copy counters (metrics)."""
         out = [*spec_readings(getattr(self.step_fn, "stats", None)),
+               *abort_readings(self.aborted_in),
                *host_readings(self.offloader, self.cache.layout.page_bytes(
                    self.cache.page_size))]
         if self.prefix_reuse is not None:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 from common import trace
 from common.codec import unpack_ids
 from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.kv import FreeReason, ceil_div
-from common.metrics import host_readings, watch_host
+from common.metrics import abort_readings, host_readings, watch_host
 from common.node import ControlLink, Keys, Load, Prefilled, Req, Tokens, TpSpec, WorkerBase
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
@@ -78,6 +78,8 @@ class PrefillWorker(WorkerBase):
         self.busy = BusyTime()
         """Time some transfer was streaming (the union of each request's send window)."""
         self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0}
+        self.aborted_in: Counter[str] = Counter()
+        """Aborted requests by the stage (``ReqState``, lower case) they were in."""
 
     def build(self) -> None:
         cfg, name = self.config, self.name
@@ -255,6 +257,8 @@ class PrefillWorker(WorkerBase):
                                 cached_tokens=req.num_cached))
             return
         aborted = reason == "aborted"
+        if aborted:
+            self.aborted_in[req.state.name.lower()] += 1
         self._move(req, ReqState.ABORTED if aborted else ReqState.FAILED)
         self.counts["aborted" if aborted else "failed"] += 1
         self.send(Prefilled(req.rid, reason, error=detail))
@@ -298,7 +302,7 @@ class PrefillWorker(WorkerBase):
 
     def metric_readings(self) -> list:
         page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
-        out = [*transport_readings(self.sender, "sent"),
+        out = [*transport_readings(self.sender, "sent"), *abort_readings(self.aborted_in),
                *host_readings(self.offloader, page_bytes)]
         if self.prefix_reuse is not None:
             out.append(("pdkv_prefix_hit_pages_total", {}, self.prefix_reuse.num_hit_pages))

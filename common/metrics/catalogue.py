@@ -107,6 +107,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("pdkv_transfer_aborts_total", "counter", "Transfer aborts by the side that "
               "aborted: local (this worker told its peer) or peer (the peer told us).",
               ("side",)),
+    MetricDef("pdkv_request_aborts_total", "counter", "Requests a worker aborted (reason "
+              "aborted: the client, the router or the KV peer asked), by the stage they were "
+              "in: queued, waiting_kv, prefilling, transferring, decoding, retracted. The "
+              "rows of those that held one are the free log's aborted frees.", ("stage",)),
     # -- serving --------------------------------------------------------------------------
     MetricDef("pdkv_requests_in_flight", "gauge", "Requests the router has routed and not "
               "finished.", (), "router"),

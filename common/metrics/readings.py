@@ -5,6 +5,7 @@ below common/host and the nodes."""
 from __future__ import annotations
 
 from common.metrics.node import NodeMetrics, Reading
+from common.request import ReqState
 
 
 def host_readings(off, page_bytes: int) -> list[Reading]:
@@ -26,6 +27,18 @@ def spec_readings(stats) -> list[Reading]:
         return []
     return [("pdkv_spec_draft_tokens_total", {}, stats.num_proposed),
             ("pdkv_spec_accepted_tokens_total", {}, stats.num_accepted)]
+
+
+def abort_readings(aborted_in) -> list[Reading]:
+    """Aborted requests by stage (``{stage: count}``, stages as ``ReqState`` names in lower
+    case); every stage a worker has is reported, 0 where none was aborted, so a dashboard
+    sees the series from the start."""
+    return [("pdkv_request_aborts_total", {"stage": stage}, aborted_in.get(stage, 0))
+            for stage in _STAGES]
+
+
+_STAGES = tuple(s.name.lower() for s in ReqState if not s.is_finished)
+"""The stages of a request before its end, as the workers log them."""
 
 
 def watch_host(metrics: NodeMetrics, off) -> None:
