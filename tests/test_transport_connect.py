@@ -115,3 +115,34 @@ def test_the_blocking_connect_still_waits_and_raises(ends):
     with pytest.raises(TimeoutError, match="no Hello"):
         rx.connect(silent)
     assert rx.stats["timeouts.handshake"] == 1 and not rx.link.connecting
+
+
+def test_failed_connects_are_remembered_within_a_bound(ends, tmp_path):
+    """A decode retries a refusing prefill at every request it admits: the reasons kept
+    are bounded (``MAX_FAILED``, the newest), and a group whose reason was dropped is
+    still lost, never taken for a live one."""
+    from transport.receiver_link import MAX_FAILED
+
+    tx, rx, _, _ = ends()
+    other = KvSender(make_cache(64, 4, layout(dtype="float16"), node="p2"),
+                     f"ipc://{tmp_path}/p2.sock", config("p2"))
+    try:
+        groups = []
+        for _ in range(MAX_FAILED + 8):
+            groups.append(rx.begin_connect(other.address))
+            while rx.link.is_connecting(groups[-1]):
+                other.poll(0.0)
+                rx.poll(0.002)
+        assert len(rx.link.failed) == MAX_FAILED
+        assert list(rx.link.failed) == groups[-MAX_FAILED:]         # the newest kept
+        assert "mismatch on dtype" in str(rx.link.failed[groups[-1]])
+        assert all(rx.group_lost(g) for g in groups)                # the oldest too
+        with pytest.raises(ValueError, match="is gone"):
+            rx.link.legs_for(groups[0])
+        assert rx.stats["errors.handshake"] == MAX_FAILED + 8
+        good = rx.begin_connect(tx.address)                         # and a good one joins
+        rx.announce("g", _row(rx.cache, "g", 8), 8, group=good)
+        _until(rx, tx, ("g", EventKind.COMPLETED), {"g": _row(tx.cache, "g", 8, seed=3)})
+        assert not rx.group_lost(good) and list(rx.link.groups) == [good]
+    finally:
+        other.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import zmq
 
@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # next are read, so ZMQ's buffers are reused while warm instead of piling up here.
 DRAIN_BYTES = 16 << 20
 MAX_DRAIN = 256  # messages per socket and poll, however small
+MAX_FAILED = 64
+"""Failed groups whose reason is kept (the newest): a decode retries a dead prefill at
+every request it admits for it, so one entry per attempt would grow without end. An
+older failed group is still failed (``group_lost``); only its words are gone."""
 
 
 class ReceiverLink:
@@ -63,10 +67,12 @@ class ReceiverLink:
         self._ctx, self.auth = ctx, auth
         self.sockets: dict[bytes, DealerSocket] = {}
         self.paths: dict[bytes, str] = {}   # peer -> data path: nixl, shm, tcp or ipc
-        self.groups: list[list[bytes]] = []
-        """Each group's rank keys, by group id (empty until the group joined)."""
+        self.groups: dict[int, list[bytes]] = {}
+        """Rank keys of each group that joined, by group id."""
         self.connecting: dict[int, Connecting] = {}
-        self.failed: dict[int, Exception] = {}   # group -> why it did not connect
+        self.failed: OrderedDict[int, Exception] = OrderedDict()
+        """Why each of the newest ``MAX_FAILED`` failed groups did not connect."""
+        self._next_group = 0
         self._poller = zmq.Poller()
         self._turn = 0
 
@@ -80,12 +86,14 @@ class ReceiverLink:
         """
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         cfg = self.config
+        for old in [g for g in self.groups if self.group_lost(g)]:
+            del self.groups[old]   # a lost group stays lost: it is connected afresh
         socks = [self._open(address) for address in addresses]
-        self.groups.append([])
-        self.connecting[len(self.groups) - 1] = Connecting(
+        group, self._next_group = self._next_group, self._next_group + 1
+        self.connecting[group] = Connecting(
             addresses, socks, time.monotonic() + cfg.handshake_timeout_s,
             cfg.handshake_timeout_s)
-        return len(self.groups) - 1
+        return group
 
     def connect(self, addresses: list[str] | str) -> int:
         """``begin``, then wait until the group joined or failed.
@@ -133,11 +141,16 @@ class ReceiverLink:
                                        "of one deployment)")
                 logger.warning("%s: cannot connect to prefill group %s: %s",
                                self.config.node, conn.addresses, exc)
-                self.failed[group] = exc
+                self._fail(group, exc)
                 for sock in conn.socks:
                     self._poller.unregister(sock.sock)
                 conn.close()
             del self.connecting[group]
+
+    def _fail(self, group: int, exc: Exception) -> None:
+        self.failed[group] = exc
+        while len(self.failed) > MAX_FAILED:
+            self.failed.popitem(last=False)
 
     def _join(self, group: int, conn: Connecting) -> None:
         hellos = [conn.hellos[i] for i in range(len(conn.socks))]
@@ -179,6 +192,9 @@ class ReceiverLink:
             raise ValueError(f"prefill group {group} did not connect: {self.failed[group]}")
         if group in self.connecting:
             raise ValueError(f"prefill group {group} is still connecting")
+        if group not in self.groups:
+            raise ValueError(f"prefill group {group} is gone (it failed long ago, or lost a "
+                             "rank); connect again")
         h = self.hello
         legs = {}
         for key in self.groups[group]:
@@ -194,8 +210,11 @@ class ReceiverLink:
 
     def group_lost(self, group: int) -> bool:
         """True when any rank of ``group`` is lost or the group never connected (it must
-        be connected again)."""
-        return group in self.failed or any(self.peers[k].lost for k in self.groups[group])
+        be connected again); False while it connects."""
+        if group in self.connecting:
+            return False
+        keys = self.groups.get(group)
+        return keys is None or any(self.peers[k].lost for k in keys)
 
     # -- polling -------------------------------------------------------------------------
     def poll(self, timeout_s: float, nixl_open: bool = False) -> LinkPoll:
