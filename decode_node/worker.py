@@ -147,6 +147,8 @@ class DecodeWorker(WorkerBase):
             self.cache.commit(req.kv, req.prompt_len)
             req.num_computed = req.prompt_len
             req.output.append(ev.first_token)
+            self.counting.on_transfer("received", ev.kv_pages, ev.kv_bytes, ev.xfer_s,
+                                      ev.path)
             self.scheduler.start_decoding(req, t_kv_wall=time.time())
         elif ev.kind.is_final:
             self.scheduler.end(req, ev.reason or "error", ev.detail)

@@ -205,6 +205,9 @@ class PrefillWorker(WorkerBase):
         if ev.kind == EventKind.COMPLETED and req is not None:
             req.num_sent_pages = ceil_div(ev.prompt_len, self.cache.page_size) - \
                 ev.cached_tokens // self.cache.page_size
+            self.counting.on_transfer("sent", req.num_sent_pages,
+                                      self._kv_bytes(req.num_sent_pages),
+                                      time.monotonic() - req.t_prefilled, ev.path)
             self._free_request(req, "sent")
         elif ev.kind.is_final and req is not None:
             self._free_request(req, ev.reason or "error", ev.detail)

@@ -35,7 +35,8 @@ CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=1
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0)
 SPEC = WorkloadSpec(requests=10, seed=5, rate=30.0, prompt_len=(8, 90), output_len=(4, 16))
 # Families that only appear when something goes wrong.
-ON_FAILURE_ONLY = {"pdkv_transfer_protocol_errors_total"}
+ON_FAILURE_ONLY = {"pdkv_transfer_protocol_errors_total",
+                   "pdkv_text_encode_failures_total"}   # (and this run sends no text)
 
 
 class Scrapers:
@@ -106,10 +107,20 @@ def test_counters_scraped_while_serving_end_equal_to_the_free_logs(tmp_path):
     assert by(final, "pdkv_prompt_tokens_total", ("worker",)) == {
         ("prefill0",): sum(len(r.prompt) for r in requests)}
     page_bytes = CFG.model_config().kv_layout(with_draft=CFG.with_draft).page_bytes(4)
-    assert by(final, "pdkv_transfer_pages_total", ("worker",)) == {
-        ("prefill0",): sum(r.kv_bytes for r in results.values()) // page_bytes}
+    # both sides of every completed transfer agree, per data path (here shm)
+    keys = ("worker", "direction", "path")
+    n_pages = sum(r.kv_bytes for r in results.values()) // page_bytes
+    assert n_pages > 0
+    assert by(final, "pdkv_transfer_pages_total", keys) == {
+        ("prefill0", "sent", "shm"): n_pages, ("decode0", "received", "shm"): n_pages}
+    assert by(final, "pdkv_transfer_completed_bytes_total", keys) == {
+        ("prefill0", "sent", "shm"): n_pages * page_bytes,
+        ("decode0", "received", "shm"): n_pages * page_bytes}
+    timed = by(final, "pdkv_transfer_seconds_count", keys)
+    assert set(timed) == {("prefill0", "sent", "shm"), ("decode0", "received", "shm")}
+    assert len(set(timed.values())) == 1 and 0 < min(timed.values()) <= SPEC.requests
     sent = by(final, "pdkv_transfer_bytes_total", ("worker",))
-    assert sent[("prefill0",)] == sent[("decode0",)] > 0   # shm copies counted both sides
+    assert sent[("prefill0",)] == sent[("decode0",)] == n_pages * page_bytes
     assert by(final, "pdkv_transfer_data_path", ("worker", "peer", "path")) == {
         ("decode0", "prefill0", "shm"): 1, ("prefill0", "decode0", "shm"): 1}
     assert by(final, "pdkv_worker_up", ("worker",)) == {("decode0",): 1, ("prefill0",): 1}

@@ -40,6 +40,15 @@ class Event:
     prompt_len: int = 0
     cached_tokens: int = 0
     peer: str = ""
+    path: str = ""
+    """COMPLETED: the data path the KV took (shm, tcp, ipc, nixl; ``+``-joined when a
+    request's legs took several)."""
+    kv_pages: int = 0
+    """Decode COMPLETED: pages this rank received for the request (its cached prefix not)."""
+    kv_bytes: int = 0
+    """Decode COMPLETED: bytes this rank received for the request."""
+    xfer_s: float = 0.0
+    """Decode COMPLETED: its first KV received to its last (0: nothing was sent)."""
 
 
 class EventLog:

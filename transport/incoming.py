@@ -54,6 +54,8 @@ class Incoming:
     state: InState = InState.ANNOUNCED
     t_start: float = field(default_factory=time.monotonic)
     t_progress: float = field(default_factory=time.monotonic)
+    t_first_data: float = 0.0
+    """When the first KV of any leg landed (0: none yet)."""
 
     @property
     def total_blocks(self) -> int:
@@ -94,6 +96,8 @@ class Incoming:
     def count_blocks(self, leg: InLeg, num_blocks: int) -> None:
         leg.blocks_received += num_blocks
         self.t_progress = time.monotonic()
+        if not self.t_first_data:
+            self.t_first_data = self.t_progress
 
     def done(self, peer: bytes, msg: Done) -> int | None:
         """Leg ``peer`` sent everything; the first token once every leg did.

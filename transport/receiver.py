@@ -369,7 +369,8 @@ class KvReceiver:
         if first_token is not None:
             for k in inc.legs:
                 self.link.send(k, Ack(rid=inc.rid))
-            self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token)
+            self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token,
+                      **self._received(inc))
 
     def _judge_deferred_dones(self) -> None:
         """Deferred Dones whose notifications came in (or that are overdue)."""
@@ -395,6 +396,17 @@ class KvReceiver:
         self.stats["frames_recv_one_run"] += runs == 1
         self.stats["bytes_recv"] += nbytes
 
+    def _received(self, inc: Incoming) -> dict:
+        """What a completed transfer brought this rank (its COMPLETED event's figures):
+        the legs together cover this rank's heads of every page once."""
+        pages = inc.total_blocks - inc.cached_blocks
+        now = time.monotonic()
+        paths = sorted({self.link.paths.get(key, "?") for key in inc.legs})
+        return {"kv_pages": pages,
+                "kv_bytes": pages * self.cache.layout.page_bytes(self.cache.page_size),
+                "xfer_s": now - inc.t_first_data if inc.t_first_data else 0.0,
+                "path": "+".join(paths)}
+
     # -- endings -------------------------------------------------------------------------
     def _abort_legs(self, inc: Incoming, reason: str, detail: str) -> None:
         for key in inc.legs_to_abort(lambda k: self.peers.live(k) is not None):
@@ -402,10 +414,10 @@ class KvReceiver:
             self.link.send(key, Abort(rid=inc.rid, reason=reason, detail=detail))
 
     def _end(self, inc: Incoming, kind: EventKind, reason: str, detail: str,
-             first_token: int | None = None) -> None:
+             first_token: int | None = None, **figures) -> None:
         inc.close()
         self.events.emit(kind, inc.rid, reason=reason, detail=detail,
-                         first_token=first_token, prompt_len=inc.prompt_len)
+                         first_token=first_token, prompt_len=inc.prompt_len, **figures)
 
     def _fail_rid(self, rid: str | None, reason: str, detail: str,
                   by: Peer | None = None) -> None:

@@ -247,7 +247,9 @@ class KvSender:
             if out is not None and out.ack(peer.key):
                 self.events.emit(EventKind.COMPLETED, out.rid, reason="sent",
                                  first_token=out.first_token, prompt_len=out.prompt_len,
-                                 cached_tokens=out.cached_blocks * self.hello.page_size)
+                                 cached_tokens=out.cached_blocks * self.hello.page_size,
+                                 path="+".join(sorted({self.link.data_path(k)
+                                                       for k in out.legs})))
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         elif isinstance(msg, AbortAck):

@@ -78,12 +78,18 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("pdkv_transfer_bytes_total", "counter", "KV bytes moved by the transport, "
               "frames and shared-memory copies (direction: sent on prefill, received on "
               "decode).", ("direction",)),
-    MetricDef("pdkv_transfer_pages_total", "counter", "KV pages a prefill sent for requests "
-              "it finished sending (a prefix the decode loaded from its host tier is not "
-              "sent).", ("direction",), "prefill"),
-    MetricDef("pdkv_transfer_seconds", "histogram", "Per request sent, the prefill's last "
-              "chunk computed to the decode's acknowledgement of every page: the transfer "
-              "time TTFT cannot hide.", ("direction",), "prefill", LATENCY_BUCKETS),
+    MetricDef("pdkv_transfer_pages_total", "counter", "KV pages of completed transfers, by "
+              "data path: sent (prefill, acknowledged by every decode rank) or received "
+              "(decode rank, every page landed); a prefix the decode loaded from its host "
+              "tier is not sent.", ("direction", "path")),
+    MetricDef("pdkv_transfer_completed_bytes_total", "counter", "KV bytes of completed "
+              "transfers, by data path (sent on prefill, received on each decode rank): "
+              "equal on both sides when every transfer completed. pdkv_transfer_bytes_total "
+              "counts every byte moved, aborted transfers' too.", ("direction", "path")),
+    MetricDef("pdkv_transfer_seconds", "histogram", "Per completed transfer, by data path: "
+              "sent, the prefill's last chunk computed to the decode's acknowledgement of "
+              "every page (the transfer time TTFT cannot hide); received, the decode's first "
+              "KV landed to its last.", ("direction", "path"), "worker", LATENCY_BUCKETS),
     MetricDef("pdkv_transfer_in_flight", "gauge", "Requests whose KV transfer is open.",
               ("direction",)),
     MetricDef("pdkv_transfer_data_path", "gauge", "1 for the data path each live KV peer "

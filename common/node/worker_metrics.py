@@ -8,7 +8,7 @@ from collections.abc import Callable
 from common.config import ServeConfig
 from common.kv import KvCache
 from common.metrics import NodeMetrics, pack
-from common.node.control import Load, Message, MetricsReport, Prefilled, Req, Tokens
+from common.node.control import Load, Message, MetricsReport, Req, Tokens
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,17 @@ class WorkerMetrics:
     def on_send(self, msg: Message, cache: KvCache | None) -> None:
         if isinstance(msg, Tokens) and self._generated is not None:
             self._generated.inc(len(msg.ids))
-        elif isinstance(msg, Prefilled) and msg.reason == "sent" and cache is not None:
-            page_bytes = cache.layout.page_bytes(cache.page_size)
-            self.metrics.counter("pdkv_transfer_pages_total").labels(direction="sent").inc(
-                msg.kv_bytes // page_bytes)
-            self.metrics.histogram("pdkv_transfer_seconds").labels(direction="sent").observe(
-                msg.xfer_s)
+
+    def on_transfer(self, direction: str, pages: int, nbytes: int, seconds: float,
+                    path: str) -> None:
+        """A request's KV transfer completed: ``direction`` sent (prefill, acknowledged
+        by every decode rank) or received (decode, every page landed), over ``path``."""
+        labels = {"direction": direction, "path": path or "?"}
+        self.metrics.counter("pdkv_transfer_pages_total").labels(**labels).inc(pages)
+        self.metrics.counter("pdkv_transfer_completed_bytes_total").labels(**labels).inc(
+            nbytes)
+        if pages:   # a prefix the decode held whole moved nothing: no transfer time
+            self.metrics.histogram("pdkv_transfer_seconds").labels(**labels).observe(seconds)
 
     def report(self, name: str, load: Load | None, final: bool = False
                ) -> MetricsReport | None:
