@@ -62,6 +62,11 @@ class ControlLink(ABC):
     def close(self) -> None:
         """Release the connection."""
 
+    def close_after(self, linger_s: float) -> None:
+        """Close, letting what is still queued reach the router for up to ``linger_s``
+        (a worker's last words: its final metrics and stats)."""
+        self.close()
+
 
 class ControlHub(ABC):
     """The router's end of the control plane: messages keyed by the sender's id."""
@@ -135,6 +140,12 @@ class Link(ControlLink):
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+    def close_after(self, linger_s: float) -> None:
+        # linger 0 discards messages the I/O thread has not written yet: a worker's final
+        # Stats sent just before then never came, so the router waited out the lease at
+        # shutdown and dropped the worker's final metrics as lost
+        self.sock.close(linger=int(linger_s * 1000))
 
 
 class Hub(ControlHub):

@@ -59,6 +59,9 @@ from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
 logger = logging.getLogger(__name__)
+_FAREWELL_S = 1.0
+"""How long a closing worker lets its final report and stats reach the router (only a
+router that is gone makes it wait that long)."""
 
 
 class FreeLogFailed(RuntimeError):
@@ -428,7 +431,7 @@ class WorkerBase(ABC):
                 self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats()}))
         finally:
             if self.link is not None:
-                self.link.close()
+                self.link.close_after(_FAREWELL_S)
             self.ctx.destroy(linger=0)  # also closes what a failed build left open
 
 
