@@ -58,7 +58,7 @@ def test_aborts_are_counted_by_stage_and_agree_with_the_free_logs(tmp_path):
                                                   ("stage",), worker=worker).items() if n}
         logged = _logged_stages((tmp_path / f"{worker}.log").read_text())
         assert counted == dict(Counter(logged.values())), (worker, counted, logged)
-        (log,) = [p for p in cluster.freelogs() if p.name.startswith(worker)]
+        (log,) = [p for p in cluster.freelogs() if p.name == f"{worker}.freelog"]
         assert replay_file(log).ok
         # a request aborted where it held a row is one aborted free in this worker's log;
         # one aborted before it had a row (decode: queued for memory) is none
