@@ -14,7 +14,12 @@ import pytest
 
 from benchmarks.hops import judge, segments, timeline
 from common import trace
-from deploy.driver import Result
+from common.config import ServeConfig
+from common.model import Model, generate_greedy
+from deploy.driver import Result, drive
+from deploy.launcher import Cluster
+from deploy.routes import label_of
+from deploy.workload import WorkloadSpec, make_workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,3 +102,32 @@ def test_segments_split_a_prompt_at_its_pass():
     (before, during, after), = segments(res, marks, "1P1D").values()
     assert (before, during, after) == pytest.approx((2.0, 6.0, 2.0))
     assert segments(res, marks, "colocated") == {}      # its pass never ended
+
+
+def test_in_a_real_deployment_the_first_token_reaches_the_router_from_the_prefill(
+        tmp_path, monkeypatch):
+    """1P1D as processes, traced: every request's first token left the prefill and the
+    router took it from there (the decode's repeat is dropped: the outputs equal the
+    single-process reference token by token)."""
+    cfg = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
+                      chunk_size=24, heartbeat_s=0.2, lease_s=3.0, offload=False)
+    reqs = make_workload(WorkloadSpec(requests=4, seed=5, rate=0.0, prompt_len=(3, 60),
+                                      output_len=(1, 6)), cfg.model_config().vocab_size)
+    model = Model(cfg.model_config())
+    want = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+            for r in reqs}
+    monkeypatch.setenv(trace.ENV, str(tmp_path / "trace"))
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path / "logs")).start()
+    monkeypatch.delenv(trace.ENV)
+    try:
+        results = drive(cluster.client, reqs, check=cluster.check)
+    finally:
+        cluster.stop()
+    cluster.check_exit_codes()
+    assert {rid: r.output_ids for rid, r in results.items()} == want
+    points: dict[str, set[str]] = {}
+    for _, point, rid in trace.read(tmp_path / "trace"):
+        points.setdefault(label_of(rid), set()).add(point)
+    for r in reqs:
+        assert {"prefill.first_out", "router.first_in_from_prefill", "decode.first_out",
+                "router.first_out"} <= points[r.rid], points[r.rid]
