@@ -130,6 +130,16 @@ def test_counters_scraped_while_serving_end_equal_to_the_free_logs(tmp_path):
     assert not missing, f"metrics a served run never showed: {missing}"
 
 
+def _per_path(samples, direction: str) -> dict[str, tuple[float, float, float]]:
+    """path -> (pages, bytes, transfers) of completed transfers in ``direction``."""
+    keys, out = ("path",), {}
+    for path, in by(samples, "pdkv_transfer_pages_total", keys, direction=direction):
+        out[path] = tuple(by(samples, name, keys, direction=direction)[(path,)] for name in (
+            "pdkv_transfer_pages_total", "pdkv_transfer_completed_bytes_total",
+            "pdkv_transfer_seconds_count"))
+    return out
+
+
 def _private_shm() -> list[str] | None:
     """A command prefix that runs a process with its own empty /dev/shm, or None."""
     if shutil.which("unshare") is None:
@@ -169,10 +179,17 @@ def test_a_peer_that_fell_back_from_shared_memory_shows_on_the_data_path_gauge(t
         while True:  # each worker's series are as of its last report (every heartbeat_s)
             snap = parse(render(lambda: from_wire(loads(client.metrics(5.0))))[0].decode())
             paths = by(snap, "pdkv_transfer_data_path", ("worker", "peer", "path"))
-            if paths == want or time.monotonic() > deadline:
+            moved = {d: _per_path(snap, d) for d in ("sent", "received")}
+            if paths == want and moved["sent"] == moved["received"] and sum(
+                    by(snap, "pdkv_transfer_seconds_count", ("direction", "path"),
+                       direction="sent").values()) == 6 or time.monotonic() > deadline:
                 break
             time.sleep(CFG.heartbeat_s)
         assert paths == want
+        # each data path's completed transfers: what the prefills sent, the decode received
+        assert moved["sent"] == moved["received"], moved
+        assert set(moved["sent"]) == {"shm", "ipc"} and all(
+            pages > 0 for pages, _, _ in moved["sent"].values()), moved
         assert by(scrape(status.metrics_url), "pdkv_transfer_data_path",
                   ("worker", "peer", "path")) == paths
         top = subprocess.run([*cli, "top", "--router", router, "--once", "--interval", "0.3"],
