@@ -187,7 +187,7 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
         asked = _on_signals()
         grace = min(5.0, spec.timeout_s / 2)
         idle = None if transfer is None else (lambda: mirror.transfer and
-                                              mirror.transfer.poll(0.005))
+                                              mirror.transfer.poll(0.001))
         while mirror.apply(group.broadcast_bytes(TAG_STEP, None, idle)):
             if mirror.transfer is not None:
                 mirror.transfer.poll(0)  # steps may come back to back: never starve it

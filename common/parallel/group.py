@@ -29,6 +29,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _HEADER = 2  # int64 [tag, nbytes]
+_IDLE_MIN_S = 0.001  # an idle callback that returned sooner is followed by this sleep
 
 
 class GroupLost(RuntimeError):
@@ -170,9 +171,12 @@ class TpGroup:
         work = dist.broadcast(header, src=0, group=self._cpu_group, async_op=True)
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"nothing from rank 0 within {self.timeout_s:.0f} s")
             idle()
+            if time.monotonic() - now < _IDLE_MIN_S:  # it had nothing to wait on: no spin
+                time.sleep(_IDLE_MIN_S)
         work.wait()  # raises what the broadcast met (a rank gone)
 
     def all_min(self, values: list[int]) -> list[int]:
