@@ -11,7 +11,8 @@ import torch
 
 from common.host import CopyEngine
 from common.kv import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
-from common.kv.page_copy import SPLIT_ABOVE_BYTES, _helpers, _share
+from common.kv.copy_threads import _helpers
+from common.kv.page_copy import SPLIT_ABOVE_BYTES, _share
 
 
 def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):

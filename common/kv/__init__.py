@@ -2,9 +2,10 @@
 
 from common.kv.allocator import PageAllocator
 from common.kv.cache import KvCache
+from common.kv.copy_threads import copy_threads, set_copy_threads
 from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
-from common.kv.page_copy import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
+from common.kv.page_copy import check_pages, copy_pages, page_runs
 from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
 from common.kv.reasons import FreeReason

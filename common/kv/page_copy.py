@@ -26,14 +26,10 @@ How each run moves (measured on a 2-core CPU; one frame or copy per run, never p
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
+
+from common.kv.copy_threads import copy_threads, run_pieces
 
 Pool = torch.Tensor | np.ndarray
 # Runs shorter than this on average are gathered and scattered in one pass; longer
@@ -44,7 +40,6 @@ GATHER_BELOW_BYTES = 32 << 10
 # A CPU copy of at least this many bytes is shared out over ``copy_threads()`` threads;
 # below it, handing work to another thread (tens of microseconds) costs more than it saves.
 SPLIT_ABOVE_BYTES = 2 << 20
-MAX_COPY_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
@@ -165,50 +160,6 @@ def _int64_viewable(t: torch.Tensor) -> bool:
     return t.is_contiguous() and (t[0].numel() * t.element_size()) % 8 == 0
 
 
-# -- CPU copies over several threads ------------------------------------------------------
-_threads = min(MAX_COPY_THREADS, len(os.sched_getaffinity(0)))
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def copy_threads() -> int:
-    """Threads a large CPU page copy is shared out over (the caller's included)."""
-    return _threads
-
-
-def set_copy_threads(n: int) -> None:
-    """Share large CPU page copies over ``n`` threads (1: the caller's thread only).
-
-    Raises:
-        ValueError: ``n`` < 1.
-    """
-    global _threads, _pool
-    if n < 1:
-        raise ValueError(f"copy threads {n}: need at least 1")
-    with _pool_lock:
-        _threads = n
-        old, _pool = _pool, None
-    if old is not None:
-        old.shutdown(wait=True)
-
-
-def _helpers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _threads - 1), thread_name_prefix="kv-page-copy")
-        return _pool
-
-
-def _forget_pool_after_fork() -> None:
-    # a forked child has none of the parent's threads: its pool would never run a task
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_after_fork)
-
-
 def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
                 dst_pages: np.ndarray, runs: list[tuple[int, int, int]], gather: bool) -> None:
     """Copy byte-row pages ``dst[dst_pages] = src[src_pages]`` (as ``runs``, or gathered
@@ -219,20 +170,20 @@ def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
     thread not scheduled yet holds nothing up). Finer pieces (1-16 MiB, taken in turn)
     measured slower than halves on the 2-core box: 3.0-3.5 against 3.8-4.2 GB/s."""
     total = len(src_pages) * src.shape[1]
-    if _threads < 2 or total < SPLIT_ABOVE_BYTES:
+    if copy_threads() < 2 or total < SPLIT_ABOVE_BYTES:
         pieces = [(0, len(src_pages))] if gather else [runs]
     else:
-        num = min(len(src_pages), _threads)
+        num = min(len(src_pages), copy_threads())
         if gather:
             cuts = np.linspace(0, len(src_pages), num + 1).astype(np.int64)
             pieces = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
         else:
             pieces = _share(runs, num)
     if gather:
-        _run_pieces(pieces, lambda ab: _gather_part(src, src_pages[ab[0]:ab[1]], dst,
+        run_pieces(pieces, lambda ab: _gather_part(src, src_pages[ab[0]:ab[1]], dst,
                                                     dst_pages[ab[0]:ab[1]]))
     else:
-        _run_pieces(pieces, lambda part: _slice_part(src, dst, part))
+        run_pieces(pieces, lambda part: _slice_part(src, dst, part))
 
 
 def _gather_part(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
@@ -260,30 +211,3 @@ def _share(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int,
             out[-1].append((s, d, k))
             s, d, n, room = s + k, d + k, n - k, room - k
     return out
-
-
-def _run_pieces(pieces: list, copy: Callable[[object], None]) -> None:
-    """``copy`` every piece: this thread and up to ``copy_threads() - 1`` helpers take the
-    next piece until none is left. Returns once every piece is copied and no helper
-    still writes; re-raises the first error then."""
-    if len(pieces) < 2:
-        for piece in pieces:
-            copy(piece)
-        return
-    taken = itertools.count()  # next() on a count is atomic under the GIL
-
-    def work() -> None:
-        while (i := next(taken)) < len(pieces):
-            copy(pieces[i])
-
-    pool = _helpers()
-    futures = [pool.submit(work) for _ in range(min(_threads, len(pieces)) - 1)]
-    try:
-        work()
-    finally:
-        for f in futures:
-            f.cancel()     # a helper that has not started yet finds nothing left anyway
-        errors = [f.exception() for f in futures if not f.cancelled()]
-    for exc in errors:
-        if exc is not None:
-            raise exc
