@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP front door: routes, admission, streaming, shutdown.
 
 ``create_app`` builds a FastAPI app in front of a router (``RouterBridge``). A request is
-checked (``translate``), admitted if fewer than ``max_waiting`` requests wait for their
-first token (else 429), submitted under a front-door request id of its own, and answered
-as one JSON body or as Server-Sent Events. A client that leaves aborts its request;
-``FrontDoor.shutdown`` ends every open stream with an error chunk.
+checked (``translate``; a long text is encoded on one of ``encode_threads`` threads, so
+that the loop keeps answering everyone else), admitted if fewer than ``max_waiting``
+requests wait for their first token or their encoding (else 429), submitted under a
+front-door request id of its own, and answered as one JSON body or as Server-Sent Events.
+A client that leaves aborts its request; ``FrontDoor.shutdown`` ends every open stream
+with an error chunk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,21 +32,29 @@ from deploy.http.generation import Generation
 from deploy.http.responses import DONE, Shaper, sse
 from deploy.http.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.http.text import TextModel, load_text_model
-from deploy.http.translate import Limits, Plan, plan_chat, plan_completion
+from deploy.http.translate import Limits, Plan, plan_chat, plan_completion, text_chars
 
 logger = logging.getLogger(__name__)
+
+# Texts up to this many characters are encoded on the loop: a few thousand characters
+# encode in well under a millisecond, less than a thread's hand-off costs; megabytes
+# take seconds, which would stall every other request.
+LOOP_TEXT_CHARS = 4096
 
 
 class FrontDoor:
     """State shared by the routes: the router link, admission, open generations."""
 
     def __init__(self, bridge: RouterBridge, *, model_name: str = "", api_key: str = "",
-                 max_waiting: int = 256) -> None:
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting={max_waiting} must be >= 1")
+                 max_waiting: int = 256, encode_threads: int = 2) -> None:
+        if max_waiting < 1 or encode_threads < 1:
+            raise ValueError(f"max_waiting={max_waiting} and encode_threads={encode_threads}"
+                             " must be >= 1")
         self.bridge, self.api_key, self.max_waiting = bridge, api_key, max_waiting
         self.model_name = model_name
         self.live: set[Generation] = set()
+        self.encoding = 0  # requests whose text a thread encodes now or soon
+        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="pdkv-encode")
         self.closing = ""
         self._limits: tuple[int, Limits] | None = None
         self._text: tuple[int, TextModel | None] | None = None
@@ -88,12 +99,37 @@ class FrontDoor:
                            code="invalid_api_key")
 
     # -- serving -------------------------------------------------------------------------
-    def admit(self, plan: Plan, text: TextModel | None) -> Generation:
-        waiting = sum(1 for g in self.live if g.waiting)
+    def _refuse_if_full(self) -> None:
+        waiting = sum(1 for g in self.live if g.waiting) + self.encoding
         if waiting >= self.max_waiting:
-            raise ApiError(429, f"{waiting} requests are waiting for their first token "
-                                f"(the front door holds at most {self.max_waiting}); retry "
-                                "later", code="rate_limit_exceeded", headers={"retry-after": "1"})
+            raise ApiError(429, f"{waiting} requests are waiting for their first token or "
+                                f"their encoding (the front door holds at most "
+                                f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
+                           headers={"retry-after": "1"})
+
+    async def plan(self, body, chat: bool, lim: Limits, text: TextModel | None) -> Plan:
+        """The request checked and its text encoded: on the loop when it is short, else on
+        an encoding thread (counted as waiting, so admission bounds the threads' queue)."""
+        make = plan_chat if chat else plan_completion
+        if text is None or text_chars(body) <= LOOP_TEXT_CHARS:
+            return make(body, lim, text)
+        self._refuse_if_full()
+        self.encoding += 1
+        try:
+            plan = await asyncio.get_running_loop().run_in_executor(
+                self._encoder, make, body, lim, text)
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise  # the request itself was cancelled
+            plan = None  # shutdown cancelled the encoding
+        finally:
+            self.encoding -= 1
+        if self.closing:
+            raise ApiError(503, f"the server is shutting down ({self.closing})")
+        return plan
+
+    def admit(self, plan: Plan, text: TextModel | None) -> Generation:
+        self._refuse_if_full()
         stream = text.stream(plan.prompt, plan.stop_strs) if text is not None else None
         gen = Generation(self.bridge, plan, stream)
         try:
@@ -108,7 +144,7 @@ class FrontDoor:
         self.check_key(request)
         view = self.view()
         lim, text = self.limits(view), self.text(view)
-        plan = plan_chat(body, lim, text) if chat else plan_completion(body, lim, text)
+        plan = await self.plan(body, chat, lim, text)
         gen = self.admit(plan, text)
         trace.mark("http.request_in", gen.rid, t_in)
         trace.mark("http.submit_out", gen.rid)
@@ -155,6 +191,7 @@ class FrontDoor:
         """Refuse new requests; end every open one with an error (streams get an error
         chunk and ``[DONE]``), aborting it on the router."""
         self.closing = why
+        self._encoder.shutdown(wait=False, cancel_futures=True)
         for gen in list(self.live):
             gen.interrupt(f"the server is shutting down ({why})")
 

@@ -47,6 +47,12 @@ class TextModel:
         self._tok, self._stop_strings = tokenizer, stop_strings_cls
         self.eos_token_ids: tuple[int, ...] = tuple(tokenizer.eos_token_ids)
 
+    @property
+    def max_token_chars(self) -> int:
+        """Most characters one token stands for: a longer text than ``n`` times this cannot
+        fit ``n`` tokens."""
+        return self._tok.max_token_chars
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
 

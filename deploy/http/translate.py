@@ -55,6 +55,26 @@ class Plan:
     return_token_ids: bool
 
 
+def text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters of text a request asks the front door to encode (0 for token ids)."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return sum(map(len, prompt))
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _check_text_size(chars: int, lim: Limits, text: TextModel, param: str) -> None:
+    """Refuse a text that cannot fit a row before paying for its encoding (megabytes of
+    text take seconds to encode)."""
+    if chars > lim.max_row * text.max_token_chars:
+        raise ApiError(413, f"{param} of {chars} characters cannot fit this model's "
+                            f"maximum context of {lim.max_row} tokens (one token covers at "
+                            f"most {text.max_token_chars} characters)", param=param,
+                       code="context_length_exceeded")
+
+
 def plan_completion(req: CompletionRequest, lim: Limits, text: TextModel | None) -> Plan:
     prompt = _prompt_ids(req.prompt, lim, text)
     _refuse_unsupported(req, {"echo": (req.echo, False), "logprobs": (req.logprobs, None, 0),
@@ -72,6 +92,7 @@ def plan_chat(req: ChatCompletionRequest, lim: Limits, text: TextModel | None) -
                                                                               None, "none"),
                               "response_format": (req.response_format, None,
                                                   {"type": "text"})})
+    _check_text_size(text_chars(req), lim, text, "messages")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         ids = text.chat_prompt(messages)
@@ -127,6 +148,7 @@ def _prompt_ids(prompt, lim: Limits, text: TextModel | None) -> list[int]:
     if isinstance(prompt, str):
         if text is None:
             raise ApiError(400, no_text_reason(lim.model), param="prompt")
+        _check_text_size(len(prompt), lim, text, "prompt")
         prompt = text.encode(prompt)
     bad = [t for t in prompt if not 0 <= t < lim.vocab_size]
     if bad:
