@@ -20,6 +20,8 @@ outputs equal the reference token for token, and every free log replays clean.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -53,10 +55,13 @@ from tests.attack_helpers import (
 # a hang guard, not a timing assertion
 pytestmark = pytest.mark.timeout(900)
 
+# The decode is stopped (SIGSTOP) while the attack runs (12 s on a quiet machine), so that
+# the victim's requests are in flight for all of it however fast the machine is: the
+# lease outlasts the attack.
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=200,
                   chunk_size=24, max_prefill_tokens=48, max_running=1, heartbeat_s=0.2,
-                  lease_s=4.0, transport="tcp", debug_integrity=True)
-# one at a time and long: the victim's requests are in flight while the attack runs
+                  lease_s=30.0, transport="tcp", debug_integrity=True)
+# one at a time and long: the victim's requests queue behind each other
 SPEC = WorkloadSpec(requests=6, seed=11, rate=0.0, prompt_len=(8, 40),
                     output_len=(300, 360))
 
@@ -232,11 +237,20 @@ def attacked(tmp_path_factory, reference):
                                                                       timeout_s=240)))
         runner.start()
         _wait_in_flight(cluster, SPEC.requests)
-        attack.run()
-        in_flight_after = _status(cluster).in_flight
+        decode = next(p for p in cluster.procs if p.role == "decode").popen
+        os.kill(decode.pid, signal.SIGSTOP)   # nothing of the victim's can finish now
+        try:
+            t0 = time.monotonic()
+            attack.run()
+            assert time.monotonic() - t0 < CFG.lease_s / 2, "the attack outlasts the lease"
+            in_flight_after = _status(cluster).in_flight
+        finally:
+            os.kill(decode.pid, signal.SIGCONT)
         runner.join(240)
         status = _status(cluster)
-        stats = cluster.stop()
+        # the router waits for the final stats of every registered worker, the attacker's
+        # too, until its lease runs out
+        stats = cluster.stop(timeout_s=CFG.lease_s + 20)
     finally:
         victim.close()
         cluster.stop()
