@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
 _ENCODING_POLL_S = 0.002
 """The loop's wait while texts are being encoded: a finished one is routed this soon."""
+_FAREWELL_S = 1.0
+"""How long the Bye to whoever asked for shutdown may take to leave before the socket closes."""
 _WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
 """Accepted only from a peer that registered as a worker."""
 
@@ -150,7 +152,7 @@ class Router:
         finally:
             self.encoder.close()
             self.metrics.close()
-            self.hub.close()
+            self.hub.close(_FAREWELL_S if self.shutdown_by is not None else 0.0)
             self.ctx.term()
 
     def dispatch(self, peer: bytes, msg: Message | Malformed, identity: str = "") -> None:

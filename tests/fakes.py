@@ -63,7 +63,7 @@ class FakeHub(ControlHub):
         """(peer, message, identity): without keys, every sender's identity is ''."""
         return (*self.inbox.popleft(), "") if self.inbox else None
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         self.closed = True
 
     def take(self, peer: bytes, kind: type | None = None) -> list:

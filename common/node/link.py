@@ -84,8 +84,8 @@ class ControlHub(ABC):
         or None when nothing came within ``timeout_s``."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release the socket."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Release the socket, giving what was just sent up to ``linger_s`` to leave."""
 
 
 class Link(ControlLink):
@@ -203,8 +203,10 @@ class Hub(ControlHub):
         """Connections refused at the handshake (unknown key, wrong password)."""
         return self.guard.refused
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        # a linger lets the I/O thread write what was just sent (the router's Bye with
+        # the final stats and metrics); 0 drops it, and the client waits in vain
+        self.sock.close(linger=int(linger_s * 1000))
         self.guard.close()
 
 
