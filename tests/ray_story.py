@@ -26,6 +26,7 @@ from common.model import Model, generate_greedy
 from deploy.cluster.ray_launch import RayCluster
 from deploy.cluster.ray_plan import PlacementError
 from deploy.driver import drive
+from deploy.launcher import WorkerDied
 from deploy.workload import WorkloadSpec, make_workload
 
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
@@ -111,13 +112,20 @@ def _nodes(cluster: RayCluster) -> dict[str, str]:
     return {p.name: p.popen.info["node_id"] for p in cluster.procs}
 
 
+def _process(log: Path) -> str:
+    """The process a free log belongs to (``prefill0.tp1.1.freelog`` -> ``prefill0.tp1``:
+    the ``.1`` is its second incarnation)."""
+    parts = log.name.removesuffix(".freelog").split(".")
+    return ".".join(parts[:-1] if parts[-1].isdigit() else parts)
+
+
 def _logs_clean(cluster: RayCluster, killed: tuple[str, ...] = ()) -> list[str]:
-    """Problems of every free log; a killed process's log may end without a close
-    (Ray SIGKILLs an actor's children with it), but holds no violation."""
+    """Problems of every free log; the logs of a killed process may end without a
+    close (Ray SIGKILLs an actor's children with it), but holds no violation."""
     bad = []
     for log in cluster.freelogs():
         report = replay_file(log)
-        torn = log.name.split(".")[0] in killed
+        torn = _process(log) in killed
         if not report.ok or (report.warnings and not torn):
             bad.append(f"{log.name}: {report.format()}")
     return bad
@@ -138,76 +146,60 @@ def story_unplaceable(work: Path) -> str:
     return "started"
 
 
-def story_serve(work: Path, num_prefill: int, reference: dict, restart: dict | None) -> dict:
-    """``num_prefill``P1D spread over both nodes; token identity; optionally the decode's
-    actor killed, seen lost by the router, restarted by Ray, serving again."""
-    out: dict = {}
-    t0 = time.monotonic()
-    cluster = RayCluster(CFG, "disagg", num_prefill, 1, str(work / f"{num_prefill}p1d"),
-                         placement="spread", max_restarts=1)
-    try:
-        cluster.start()
-        out["startup_s"] = time.monotonic() - t0
-        out["nodes"] = _nodes(cluster)
-        reqs = make_workload(_spec(3), CFG.model_config().vocab_size)
-        out["identical"] = _outputs(drive(cluster.client, reqs, check=cluster.check,
-                                          timeout_s=60)) == reference
-        if restart is not None:
-            out.update(_kill_and_return(cluster, restart))
-    finally:
-        cluster.stop()
-    out["log_problems"] = _logs_clean(cluster, ("decode0",) if restart is not None else ())
-    out["num_logs"] = len(cluster.freelogs())
-    return out
-
-
-def _kill_and_return(cluster: RayCluster, reference: dict) -> dict:
-    seen: list[str] = []
-    cluster.restart("decode0")
-    deadline = time.monotonic() + 180  # a restart imports torch again: slow under load
+def _states(cluster: RayCluster, names: list[str], deadline_s: float) -> dict:
+    """Each worker's states as the router reports them (``lost``, ``building``,
+    ``ready``), until every one of ``names`` was lost and is ready again."""
+    seen: dict[str, list[str]] = {n: [] for n in names}
+    deadline = time.monotonic() + deadline_s  # a restart imports torch again: slow
     while time.monotonic() < deadline:
-        w = cluster.client.status(2.0).workers["decode0"]
-        state = "lost" if w["lost"] else "ready" if w["ready"] else "building"
-        if not seen or seen[-1] != state:
-            seen.append(state)
-        if "lost" in seen and state == "ready":
+        cluster.check()  # the launcher's supervision brings the groups back
+        workers = cluster.client.status(2.0).workers
+        for n in names:
+            w = workers.get(n)
+            state = "gone" if w is None else "lost" if w["lost"] else \
+                "ready" if w["ready"] else "building"
+            if not seen[n] or seen[n][-1] != state:
+                seen[n].append(state)
+        if all("lost" in s and s[-1] == "ready" for s in seen.values()):
             break
         time.sleep(0.2)
-    reqs = make_workload(_spec(5), CFG.model_config().vocab_size)
-    after = _outputs(drive(cluster.client, reqs, check=cluster.check, timeout_s=60))
-    restarted = cluster.procs[-1].popen._call("info")["restarted"]
-    return {"states": seen, "identical_after_restart": after == reference,
-            "restarted": restarted}
+    return seen
 
 
-def story_tp(work: Path, reference: dict) -> dict:
-    """A colocated worker of two ranks: one placement group of two bundles on one node,
-    the ranks' rendezvous on that node's address; token identity; both logs clean."""
-    cfg = CFG.with_overrides(offload=False, decode_tp=2, tp_timeout_s=20.0)
-    cluster = RayCluster(cfg, "colocated", 0, 1, str(work / "tp2"), placement="spread")
-    out: dict = {}
-    try:
-        cluster.start()
-        out["nodes"] = _nodes(cluster)
-        out["bundles"] = [list(b) for b in cluster.groups["colocated0"].bundle_specs]
-        reqs = make_workload(_spec(3), CFG.model_config().vocab_size)
-        out["identical"] = _outputs(drive(cluster.client, reqs, check=cluster.check,
-                                          timeout_s=60)) == reference
-    finally:
-        cluster.stop()
-    out["log_problems"] = _logs_clean(cluster)
-    out["logs"] = sorted(p.name for p in cluster.freelogs())
-    return out
+def _kill_mid_run(cluster: RayCluster, victim: str) -> dict:
+    """SIGKILL process ``victim`` once a request of a long workload finished: what its
+    group had in flight fails, the other prefill's requests finish."""
+    procs = {p.name: p for p in cluster.procs}
+    spec = WorkloadSpec(requests=10, seed=11, rate=200.0, prompt_len=(40, 60),
+                        output_len=(30, 40))
+    killed: list[float] = []
+
+    def kill_once(done: int, _total: int) -> None:
+        if not killed and done >= 1:
+            procs[victim].popen.kill()
+            killed.append(time.monotonic())
+
+    results = drive(cluster.client, make_workload(spec, CFG.model_config().vocab_size),
+                    progress=kill_once, check=cluster.check, timeout_s=120,
+                    lease_s=CFG.lease_s)
+    return {"killed": bool(killed), "failed": sorted(r.reason for r in results.values()
+                                                     if not r.ok),
+            "ok": sum(r.ok for r in results.values())}
 
 
-def story_tp_disagg(work: Path, reference: dict) -> dict:
+def story_tp_disagg(work: Path, reference: dict, reference_after: dict) -> dict:
     """2P1D with tensor-parallel prefills of two ranks each: each group in its own
     placement group on one node, spread across the nodes; every prefill rank binds its
     node's address, the decode streams each half of the heads from the rank holding it;
-    token identity; every rank's log clean."""
+    token identity. Then the restarts: prefill0's rank 1 SIGKILLed mid-run (its group
+    leaves, the launcher brings all of it back with a new rendezvous) and, while it comes
+    back, the decode's actor killed (Ray restarts it); both re-register under their names
+    and serve token-identical. A second kill of prefill0's rank 1 finds its one restart
+    spent: the launcher reports the group that cannot come back. Every log clean."""
     cfg = CFG.with_overrides(offload=False, prefill_tp=2, tp_timeout_s=20.0)
     t0 = time.monotonic()
-    cluster = RayCluster(cfg, "disagg", 2, 1, str(work / "tp2-2p1d"), placement="spread")
+    cluster = RayCluster(cfg, "disagg", 2, 1, str(work / "tp2-2p1d"), placement="spread",
+                         max_restarts=1)
     out: dict = {}
     try:
         cluster.start()
@@ -216,25 +208,54 @@ def story_tp_disagg(work: Path, reference: dict) -> dict:
         reqs = make_workload(_spec(3), CFG.model_config().vocab_size)
         out["identical"] = _outputs(drive(cluster.client, reqs, check=cluster.check,
                                           timeout_s=60)) == reference
+        t1 = time.monotonic()
+        out["mid_run"] = _kill_mid_run(cluster, "prefill0.tp1")
+        cluster.restart("decode0")
+        out["states"] = _states(cluster, ["prefill0", "decode0"], 180)
+        out["back_s"] = time.monotonic() - t1
+        out["events"] = cluster.supervisor.events
+        out["decode_restarted"] = cluster.procs[-1].popen._call("info")["restarted"]
+        out["nodes_after"] = _nodes(cluster)
+        reqs = make_workload(_spec(5), CFG.model_config().vocab_size)
+        out["identical_after_restart"] = _outputs(drive(
+            cluster.client, reqs, check=cluster.check, timeout_s=60)) == reference_after
+        out["gave_up"] = _kill_for_good(cluster, "prefill0.tp1")
     finally:
         cluster.stop()
-    out["log_problems"] = _logs_clean(cluster)
+    out["log_problems"] = _logs_clean(cluster, ("prefill0.tp1", "decode0"))
     out["logs"] = sorted(p.name for p in cluster.freelogs())
     return out
 
 
+def _kill_for_good(cluster: RayCluster, victim: str) -> str:
+    """SIGKILL ``victim`` once more: its group's restarts are spent, so the launcher's
+    check raises, naming it (the message), within the group's drain deadline."""
+    next(p for p in cluster.procs if p.name == victim).popen.kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            cluster.check()
+        except WorkerDied as exc:
+            return str(exc)
+        time.sleep(0.2)
+    return "still running"
+
+
 def story_serve_cli(work: Path, address: str, seed: int, reference: dict) -> dict:
-    """``pdkv serve --cluster ray``: the front door is an actor too; completions over
-    HTTP equal the reference; SIGINT shuts everything down and replays the free logs."""
+    """``pdkv serve --cluster ray`` of one colocated worker of two ranks (one placement
+    group of two bundles, the ranks' rendezvous on that node's address): the front door
+    is an actor too; completions over HTTP equal the reference; SIGINT shuts everything
+    down and replays the free logs (both ranks')."""
     import httpx
 
     cfg_file = work / "serve.json"
-    cfg_file.write_text(json.dumps(CFG.to_dict()))
+    cfg = CFG.with_overrides(offload=False, decode_tp=2, tp_timeout_s=20.0)
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--cluster", "ray", "--ray-address",
          address, "--config", str(cfg_file), "--log-dir", str(work / "serve"),
-         "--placement", "spread"], stdout=subprocess.PIPE, stderr=open(work / "serve.log", "wb"),
-        text=True)
+         "--placement", "spread", "--mode", "colocated"], stdout=subprocess.PIPE,
+        stderr=open(work / "serve.log", "wb"), text=True)
     out: dict = {}
     t0 = time.monotonic()
     try:
@@ -259,6 +280,7 @@ def story_serve_cli(work: Path, address: str, seed: int, reference: dict) -> dic
             out["exit"] = proc.wait()
         out["stdout"] = proc.stdout.read()[-500:]
         out["stderr"] = (work / "serve.log").read_text(errors="replace")[-1500:]
+    out["logs"] = sorted(p.name for p in (work / "serve").glob("*.freelog"))
     return out
 
 
@@ -274,9 +296,7 @@ def main(out_path: str, workdir: str) -> None:
         result["ray_start_s"] = time.monotonic() - t0
         result["unplaceable"] = story_unplaceable(work)
         result["serve"] = story_serve_cli(work, nodes.address, 3, ref3)
-        result["2p1d"] = story_serve(work, 2, ref3, ref5)
-        result["tp2"] = story_tp(work, ref3)
-        result["tp2_disagg"] = story_tp_disagg(work, ref3)
+        result["tp2_disagg"] = story_tp_disagg(work, ref3, ref5)
     finally:
         nodes.stop()
         result["total_s"] = time.monotonic() - t0

@@ -29,11 +29,19 @@ import subprocess
 import sys
 import time
 
+TP_PLACEHOLDER = "{tp}"
+"""A follower's ``--tp-address`` until its rank 0 chose the rendezvous (``launch``)."""
+
 
 class ProcHost:
-    """Actor body (wrapped with ``ray.remote`` by the launcher): one child process."""
+    """Actor body (wrapped with ``ray.remote`` by the launcher): one child process.
 
-    def __init__(self, argv: list[str], log_path: str, restart_delay_s: float) -> None:
+    ``launch=False`` only reserves the node's address and ports (``info`` says them) and
+    waits for ``launch``: a tensor-parallel follower's command line needs its rank 0's
+    rendezvous, which rank 0's actor picks on its node."""
+
+    def __init__(self, argv: list[str], log_path: str, restart_delay_s: float,
+                 launch: bool = True) -> None:
         import ray
 
         ctx = ray.get_runtime_context()
@@ -46,27 +54,42 @@ class ProcHost:
         self.argv = [a.replace("{ip}", ip).replace("{port}", str(port))
                      .replace("{port2}", str(port2)) for a in argv]
         self.node = {"ip": ip, "node_id": ctx.get_node_id()}
+        self.log_path = log_path
+        self.popen: subprocess.Popen | None = None
+        if launch:
+            self.launch({})
+
+    def launch(self, subs: dict[str, str]) -> dict:
+        """Start the child, each key of ``subs`` in its command line replaced by its
+        value; returns ``info``."""
+        assert self.popen is None, f"launched twice: {self.argv[:4]}"
+        for key, value in subs.items():
+            self.argv = [a.replace(key, value) for a in self.argv]
         shim = [sys.executable, "-m", "deploy.cluster.deathsig", str(os.getpid())]
-        with open(log_path, "ab") as log:  # no preexec_fn: see deathsig.py
+        with open(self.log_path, "ab") as log:  # no preexec_fn: see deathsig.py
             self.popen = subprocess.Popen(
                 [*shim, *self.argv], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self.info()
 
     def info(self) -> dict:
-        return {"pid": self.popen.pid, "argv": self.argv, "restarted": self.restarted,
-                **self.node}
+        return {"pid": self.popen.pid if self.popen else 0, "argv": self.argv,
+                "restarted": self.restarted, **self.node}
 
     def poll(self) -> int | None:
-        return self.popen.poll()
+        return None if self.popen is None else self.popen.poll()
 
     def wait(self, timeout_s: float) -> int | None:
+        if self.popen is None:
+            time.sleep(timeout_s)
+            return None
         try:
             return self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return None
 
     def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
+        if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(sig)
 
 

@@ -9,8 +9,10 @@ replay are the launcher's own code. What Ray adds:
   and refused before anything starts when it does not fit, naming what was asked and what
   the cluster has; placement groups that do not become ready in time are refused the same
   way;
-- workers restart (``max_restarts``): a killed actor comes back, waits out its lease and
-  registers again; the router counts the old incarnation lost meanwhile (its requests end
+- workers restart (``max_restarts``): a one-rank worker's killed actor comes back (Ray's
+  restart), waits out its lease and registers again; a tensor-parallel group that loses a
+  rank comes back as a whole, new actors and a new rendezvous on its placement group
+  (``ray_groups``); the router counts the old incarnation lost meanwhile (its requests end
   with an error the client may retry), never the deployment;
 - free logs of every process in one directory the user names (it must be shared by the
   nodes, e.g. NFS, when they are several hosts): ``pdkv replay DIR`` checks them all.
@@ -28,13 +30,14 @@ from pathlib import Path
 from common.config import ServeConfig
 from common.node import Keys
 from deploy.client import Client
-from deploy.cluster.ray_host import ProcHost, RemotePopen, actor_dead
-from deploy.cluster.ray_plan import NodeInfo, PlacementError, WorkerSpec, bundles, plan
+from deploy.cluster.ray_actors import RayActors
+from deploy.cluster.ray_groups import DRAIN_GRACE_S, GroupSupervisor
+from deploy.cluster.ray_host import TP_PLACEHOLDER, RemotePopen, actor_dead
+from deploy.cluster.ray_plan import NodeInfo, WorkerSpec, plan
 from deploy.launcher import RANK, Cluster, Proc, WorkerDied
 
 logger = logging.getLogger(__name__)
 
-NODE_ID_LABEL = "ray.io/node-id"
 _ROUTER = "{router}"
 
 
@@ -70,12 +73,14 @@ class RayCluster(Cluster):
         self.ray_address, self.placement, self.gpus = ray_address, placement, gpus
         self.max_restarts, self.frontend_args = max_restarts, frontend
         self.frontend_url = ""
-        self.groups: dict[str, object] = {}
-        self.actors: dict[str, object] = {}
+        self.placed: RayActors | None = None
+        """Placement groups and actors, once ``start`` made them."""
         self._ray = None
         self._started_ray = False
         self._next_check = 0.0
-        self._tp_addr: dict[str, str] = {}
+        self._templates: dict[str, list[str]] = {}
+        self.supervisor: GroupSupervisor | None = None
+        """Restarts tensor-parallel groups once the deployment is ready (ray_groups)."""
         # the key directory is read where each process runs: one machine, or a directory
         # every node mounts at the same path (docs/security.md)
         super().__init__(config, mode, num_prefill, num_decode, None, log_dir, threads,
@@ -91,9 +96,10 @@ class RayCluster(Cluster):
         procs = super()._plan(num_prefill, num_decode)
         procs[0].argv[procs[0].argv.index("--bind") + 1] = "tcp://{ip}:{port}"
         for p in procs:  # a group's rendezvous is on its rank 0's node (all ranks share it)
-            if "--tp-address" in p.argv and p.role != RANK:
-                p.argv[p.argv.index("--tp-address") + 1] = "tcp://{ip}:{port}"
-                if "--kv-bind" in p.argv:  # a prefill's rank 0 binds its KV port too
+            if "--tp-address" in p.argv:
+                p.argv[p.argv.index("--tp-address") + 1] = \
+                    TP_PLACEHOLDER if p.role == RANK else "tcp://{ip}:{port}"
+                if "--kv-bind" in p.argv and p.role != RANK:  # rank 0 binds its KV too
                     p.argv[p.argv.index("--kv-bind") + 1] = "tcp://{ip}:{port2}"
         if self.metrics_port is not None:
             procs[0].argv[procs[0].argv.index("--metrics-host") + 1] = "{ip}"
@@ -107,9 +113,10 @@ class RayCluster(Cluster):
 
     # -- life ------------------------------------------------------------------------------
     def start(self, progress=None) -> RayCluster:
-        """Plan, place, start the router, then the front door and the workers; wait
-        until the router reports every worker ready (``ready_timeout_s``; ``progress``
-        as in ``Cluster.start``)."""
+        """Plan, place, start the router, then every other process at once; wait until
+        the router reports every worker ready (``ready_timeout_s``; ``progress`` as in
+        ``Cluster.start``). From then on a tensor-parallel group that goes down is
+        restarted as a whole (``ray_groups``)."""
         ray = self._ray = import_ray()
         try:
             self._connect(ray)
@@ -118,25 +125,61 @@ class RayCluster(Cluster):
                 if gpus and "--device" in p.argv:
                     p.argv[p.argv.index("--device") + 1] = "cuda:0"
             where = plan(self._specs(), self._nodes(ray), self.placement, gpus)
-            self._place(ray, where, gpus)
+            self.placed = RayActors(ray, gpus, f"{id(self):x}", self.config.lease_s + 1.0)
+            self.placed.place(self._specs(), where, self.config.ready_timeout_s)
             router = self.procs[0]
-            self._start_proc(ray, router, gpus, restarts=0)
-            self.router_addr = router.popen.info["argv"][router.argv.index("--bind") + 1]
+            self._start_all([router])
+            self.router_addr = router.argv[router.argv.index("--bind") + 1]
             for p in self.procs[1:]:
                 p.argv = [a.replace(_ROUTER, self.router_addr) for a in p.argv]
-                if p.role == RANK:  # rank 0 (started before it) chose the rendezvous
-                    p.argv[p.argv.index("--tp-address") + 1] = self._tp_addr[_worker(p)]
-                self._start_proc(ray, p, gpus, restarts=self._restarts(p))
-                if "--tp-address" in p.argv and p.role != RANK:
-                    self._tp_addr[p.name] = p.argv[p.argv.index("--tp-address") + 1]
+            self._start_all(self.procs[1:])
             self.client = Client(self.router_addr, "launcher", Keys(self.keys_dir)
                                  if self.keys_dir else None, identity="operator")
             self._wait_ready(progress=progress)
             self._find_frontend()
+            self.supervisor = GroupSupervisor(
+                self, self.max_restarts, self.config.tp_timeout_s + DRAIN_GRACE_S,
+                self.config.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_all(self, procs: list[Proc]) -> None:
+        """Start ``procs``' actors in parallel: each picks its node's address and ports;
+        a follower rank starts once its rank 0 has chosen the group's rendezvous."""
+        self._templates.update({p.name: list(p.argv) for p in procs})
+        actors = {p.name: self.create_actor(p, launch=p.role != RANK) for p in procs}
+        infos = self.placed.get({n: a.info.remote() for n, a in actors.items()},
+                             self.config.ready_timeout_s)
+        tp = {p.name: {TP_PLACEHOLDER: self.rendezvous(infos[p.name]["argv"])}
+              for p in procs if "--tp-size" in p.argv and p.role != RANK}
+        infos.update(self.placed.get({p.name: actors[p.name].launch.remote(tp[_worker(p)])
+                                      for p in procs if p.role == RANK},
+                                     self.config.ready_timeout_s))
+        for p in procs:
+            self.bind(p, actors[p.name], infos[p.name])
+
+    def create_actor(self, p: Proc, launch: bool):
+        """A new actor for ``p`` on its bundle (its command line as planned, addresses
+        still to pick); ``launch``: start the process at once."""
+        return self.placed.create(p.name, p.role, _worker(p), _rank(p),
+                                  self._templates[p.name], str(p.log), launch,
+                                  self._restarts(p))
+
+    def bind(self, p: Proc, actor, info: dict) -> None:
+        """``p`` is now the process ``actor`` started (``info``: its ``ProcHost.info``)."""
+        p.argv, p.popen = info["argv"], RemotePopen(actor, info)
+        logger.info("ray: %s on %s (pid %d)", p.name, info["ip"], info["pid"])
+
+    @staticmethod
+    def rendezvous(argv: list[str]) -> str:
+        """A rank 0's ``--tp-address`` (its node's address, the port its actor chose)."""
+        return argv[argv.index("--tp-address") + 1]
+
+    def kill_actors(self, names: list[str]) -> None:
+        """Kill the actors of ``names`` for good (their processes get SIGTERM)."""
+        self.placed.kill(names)
 
     def _specs(self) -> list[WorkerSpec]:
         """One spec per process group: a worker's ranks share one placement group."""
@@ -147,8 +190,9 @@ class RayCluster(Cluster):
                 if p.role != RANK]
 
     def _restarts(self, p: Proc) -> int:
-        """Ray restarts a one-rank worker; a tensor-parallel group is not restarted (a new
-        rank cannot rejoin a group whose others left): the router sees it lost."""
+        """Ray restarts a one-rank worker's actor; a tensor-parallel group's actors have
+        none (a rank cannot rejoin a group whose others left): ``GroupSupervisor``
+        restarts the whole group. The front door is not restarted."""
         if p.role == "frontend" or "--tp-size" in p.argv:
             return 0
         return self.max_restarts
@@ -172,42 +216,6 @@ class RayCluster(Cluster):
         return [NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
                 for n in ray.nodes() if n["Alive"]]
 
-    def _place(self, ray, where: dict[str, NodeInfo], gpus: bool) -> None:
-        from ray.util.placement_group import placement_group
-
-        for spec in self._specs():
-            bs = bundles(spec, gpus)
-            self.groups[spec.name] = placement_group(
-                bs, strategy="STRICT_PACK", name=f"pdkv-{spec.name}-{id(self):x}",
-                bundle_label_selector=[{NODE_ID_LABEL: where[spec.name].node_id}] * len(bs))
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        for name, pg in self.groups.items():
-            left = max(0.1, deadline - time.monotonic())
-            try:
-                ray.get(pg.ready(), timeout=left)
-            except ray.exceptions.GetTimeoutError:
-                raise PlacementError(
-                    f"placement group of {name} ({pg.bundle_specs}) on node "
-                    f"{where[name].address} ({where[name].node_id[:8]}) not ready within "
-                    f"{self.config.ready_timeout_s:g} s; the cluster has "
-                    f"{ray.cluster_resources()} in all, {ray.available_resources()} free"
-                ) from None
-
-    def _start_proc(self, ray, p: Proc, gpus: bool, restarts: int) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = bundles(WorkerSpec(p.name, p.role), gpus)[0]
-        host = ray.remote(ProcHost).options(
-            name=f"pdkv-{p.name}-{id(self):x}", num_cpus=bundle["CPU"],
-            num_gpus=bundle.get("GPU", 0), max_restarts=restarts, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.groups[_worker(p)], placement_group_bundle_index=_rank(p)))
-        actor = host.remote(p.argv, str(p.log), self.config.lease_s + 1.0)
-        self.actors[p.name] = actor
-        info = ray.get(actor.info.remote(), timeout=self.config.ready_timeout_s)
-        p.argv, p.popen = info["argv"], RemotePopen(actor, info)
-        logger.info("ray: %s on %s (pid %d)", p.name, info["ip"], info["pid"])
-
     def _find_frontend(self) -> None:
         """The front door's URL, once its ``/health`` says 200 (``ready_timeout_s``)."""
         fe = next((p for p in self.procs if p.role == "frontend"), None)
@@ -225,19 +233,24 @@ class RayCluster(Cluster):
         self.frontend_url = url
 
     def check(self) -> None:
-        """Raise ``WorkerDied`` for the router or front door gone, or a worker Ray will
-        not bring back; a worker that is restarting is not an error. Asks the actors at
-        most twice a second (the driver calls this every loop)."""
+        """Raise ``WorkerDied`` for the router or front door gone, a one-rank worker Ray
+        will not bring back, or a tensor-parallel group that cannot come back (before
+        the deployment is ready: any rank gone); a worker that is restarting is not an
+        error. Asks the actors at most twice a second (the driver calls this every
+        loop)."""
         if time.monotonic() < self._next_check:
             return
         self._next_check = time.monotonic() + 0.5
+        groups = self.supervisor
         for p in self.procs:
-            if p.popen is None:
+            if p.popen is None or (groups is not None and groups.owns(p)):
                 continue
             code = p.popen.poll()
-            if code is not None and (p.role in ("router", "frontend")
-                                     or actor_dead(self.actors[p.name])):
+            if code is not None and (p.role in ("router", "frontend") or "--tp-size" in p.argv
+                                     or actor_dead(self.placed.actors[p.name])):
                 raise WorkerDied(p.why())
+        if groups is not None:
+            groups.check()
 
     def stop(self, timeout_s: float = 20.0) -> dict:
         """The launcher's clean shutdown, then every actor and placement group removed
@@ -252,20 +265,8 @@ class RayCluster(Cluster):
         ray = self._ray
         if ray is None or not ray.is_initialized():
             return
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors.values():
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                logger.debug("ray: kill failed", exc_info=True)
-        for pg in self.groups.values():
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                logger.debug("ray: remove_placement_group failed", exc_info=True)
-        self.actors.clear()
-        self.groups.clear()
+        if self.placed is not None:
+            self.placed.release()
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
@@ -273,7 +274,7 @@ class RayCluster(Cluster):
     def restart(self, name: str) -> None:
         """Kill ``name``'s actor the way a node failure would; Ray restarts it (tests,
         drills)."""
-        self._ray.kill(self.actors[name], no_restart=False)
+        self._ray.kill(self.placed.actors[name], no_restart=False)
 
     def freelogs(self) -> list[Path]:
         return sorted(self.log_dir.glob("*.freelog"))
