@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import zmq
 
 from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
@@ -146,3 +147,54 @@ def test_failed_connects_are_remembered_within_a_bound(ends, tmp_path):
         assert not rx.group_lost(good) and list(rx.link.groups) == [good]
     finally:
         other.close()
+
+
+def test_peers_that_come_and_go_leave_nothing_behind(ends, tmp_path):
+    """A prefill restarted at its address five times, and a decode that reconnects five
+    times: each end keeps one peer (and the decode one socket), not one per reconnect;
+    a stranger answered with an error leaves no trace either. A request after the last
+    restart still lands byte-exact."""
+    _, rx, _, _ = ends()
+    address = f"ipc://{tmp_path}/restarted.sock"
+    for n in range(5):
+        tx = KvSender(make_cache(64, 4, layout(), node="p"), address, config("p"))
+        try:
+            group = rx.begin_connect(tx.address)
+            rid = f"r{n}"
+            kv = _row(rx.cache, rid, 8)
+            rx.announce(rid, kv, 8, group=group)
+            _until(rx, tx, (rid, EventKind.COMPLETED), {rid: _row(tx.cache, rid, 8, seed=n)})
+            assert torch.equal(read_row(rx.cache, kv, 0, 8),
+                               pattern(n, 8, rx.cache.layout, 0, 4))
+        finally:
+            tx.close()
+        deadline = time.monotonic() + 5
+        while rx.peers:   # the prefill's Bye
+            assert time.monotonic() < deadline, dict(rx.stats)
+            rx.poll(0.002)
+        assert len(rx.link.sockets) == 0 and len(rx.peers) == 0 and not rx.link.paths
+
+    tx = KvSender(make_cache(64, 4, layout(), node="p"), address, config("p"))
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    try:
+        for _ in range(5):
+            d = KvReceiver(make_cache(64, 4, layout(), node="d2"), config("d2"))
+            d.begin_connect(tx.address)
+            while not tx.peers:
+                tx.poll(0.002)
+                d.poll(0.0)
+            d.close()
+            while tx.peers:
+                tx.poll(0.002)
+        stranger.connect(tx.address)
+        stranger.send(b"not a message")
+        deadline = time.monotonic() + 5
+        while tx.stats["errors.malformed"] == 0:
+            assert time.monotonic() < deadline, dict(tx.stats)
+            tx.poll(0.002)
+        assert len(tx.peers) == 0 and not tx.link.paths and not tx.link._last_sent
+    finally:
+        stranger.close(linger=0)
+        ctx.term()
+        tx.close()

@@ -1,5 +1,5 @@
-"""The peer table of one endpoint: handshaken peers, their leases and heartbeats, the rids
-each one serves, lost peers, and the rids closed recently.
+"""The peer table of one endpoint: live handshaken peers, their leases and heartbeats, the
+rids each one serves, and the rids closed recently. A lost peer leaves the table.
 
 A member of ``KvSender``/``KvReceiver`` and of their links (which add peers at the
 handshake and tick leases); it sends nothing and frees nothing itself.
@@ -76,9 +76,8 @@ class PeerTable:
         return self._peers.values()
 
     def live(self, key: bytes) -> Peer | None:
-        """The handshaken peer ``key`` unless it is lost."""
-        peer = self._peers.get(key)
-        return None if peer is None or peer.lost else peer
+        """The handshaken peer ``key``; None when it never handshook or was lost."""
+        return self._peers.get(key)
 
     # -- changes -------------------------------------------------------------------------
     def add(self, key: bytes, hello: Hello, now: float, next_heartbeat: float) -> Peer:
@@ -95,11 +94,9 @@ class PeerTable:
 
     def tick(self, now: float) -> tuple[list[Peer], list[tuple[Peer, str]]]:
         """Peers due a heartbeat now (their next one is scheduled), and peers whose lease
-        ran out with why. Neither list holds a lost peer."""
+        ran out with why."""
         due, expired = [], []
         for peer in self._peers.values():
-            if peer.lost:
-                continue
             if peer.expired(now):
                 self.stats["lease_expiries"] += 1  # the caller marks it lost in this poll
                 expired.append((peer, f"silent for {now - peer.last_seen:.2f}s "
@@ -112,12 +109,16 @@ class PeerTable:
         return due, expired
 
     def mark_lost(self, peer: Peer, why: str, clean: bool = False) -> list[str]:
-        """Mark ``peer`` lost (logged, counted) and hand back the rids it served, sorted;
-        an empty list when it was lost already. Its routing key stays in the table so
-        that later messages from it are refused as not handshaken."""
+        """Mark ``peer`` lost (logged, counted), take it out of the table and hand back the
+        rids it served, sorted; an empty list when it was lost already. Whatever its key
+        sends later is refused as from a peer that never handshook, and a Hello under
+        that key is a new peer, so the table holds live peers only: it does not grow by
+        one at every reconnect."""
         if peer.lost:
             return []
         peer.lost = True
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
         self.stats["peers_lost"] += 1
         logger.log(logging.INFO if clean else logging.ERROR, "%s: peer %s lost: %s",
                    self.node, peer.name, why)

@@ -463,4 +463,5 @@ class KvReceiver:
             if inc is not None and peer.key in inc.legs:
                 inc.legs[peer.key].abort_acked = True
                 self._fail_rid(rid, "peer_lost", f"prefill {peer.name} lost: {why}")
+        self.link.drop(peer.key)
         self.events.emit(EventKind.PEER_LOST, peer=peer.name, reason="peer_lost", detail=why)

@@ -33,7 +33,7 @@ from .messages import (
     encode,
 )
 from .nixl_target import SLICE_S, NixlTarget
-from .peers import PeerTable
+from .peers import Peer, PeerTable
 from .sockets import DealerSocket
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ class ReceiverLink:
         self._ctx, self.auth = ctx, auth
         self.sockets: dict[bytes, DealerSocket] = {}
         self.paths: dict[bytes, str] = {}   # peer -> data path: nixl, shm, tcp or ipc
-        self.groups: dict[int, list[bytes]] = {}
-        """Rank keys of each group that joined, by group id."""
+        self.groups: dict[int, list[Peer]] = {}
+        """The ranks of each group that joined, by group id (a lost rank stays here, marked
+        lost, until its group is connected afresh)."""
         self.connecting: dict[int, Connecting] = {}
         self.failed: OrderedDict[int, Exception] = OrderedDict()
         """Why each of the newest ``MAX_FAILED`` failed groups did not connect."""
@@ -172,7 +173,7 @@ class ReceiverLink:
             peer = self.peers.add(sock.identity, theirs, now, now + self.config.heartbeat_s)
             logger.info("%s: connected to %s at %s (data path %s)", self.config.node,
                         peer.name, address, self.paths[sock.identity])
-        self.groups[group] = [sock.identity for sock in conn.socks]
+        self.groups[group] = [self.peers[sock.identity] for sock in conn.socks]
 
     def is_connecting(self, group: int) -> bool:
         """True while ``group``'s handshake is under way."""
@@ -197,15 +198,14 @@ class ReceiverLink:
                              "rank); connect again")
         h = self.hello
         legs = {}
-        for key in self.groups[group]:
-            peer = self.peers[key]
+        for peer in self.groups[group]:
             heads = tp.overlap(h.total_kv_heads, peer.hello.tp_size, peer.hello.tp_rank,
                                h.tp_size, h.tp_rank)
             if heads is None:
                 continue
             if peer.lost:
                 raise ValueError(f"prefill {peer.name} of group {group} is lost")
-            legs[key] = heads
+            legs[peer.key] = heads
         return legs
 
     def group_lost(self, group: int) -> bool:
@@ -213,8 +213,8 @@ class ReceiverLink:
         be connected again); False while it connects."""
         if group in self.connecting:
             return False
-        keys = self.groups.get(group)
-        return keys is None or any(self.peers[k].lost for k in keys)
+        ranks = self.groups.get(group)
+        return ranks is None or any(peer.lost for peer in ranks)
 
     # -- polling -------------------------------------------------------------------------
     def poll(self, timeout_s: float, nixl_open: bool = False) -> LinkPoll:
@@ -307,6 +307,16 @@ class ReceiverLink:
         sock.send([encode(msg)])
         self.stats["msgs_sent"] += 1
         return True
+
+    def drop(self, key: bytes) -> None:
+        """Close the socket of a lost peer: nothing it says is acted on any more, and a
+        socket kept would reconnect to a dead prefill for as long as the decode lives,
+        one more at every reconnect."""
+        sock = self.sockets.pop(key, None)
+        if sock is not None:
+            self._poller.unregister(sock.sock)
+            sock.close()
+        self.paths.pop(key, None)
 
     def close(self) -> None:
         """Close every socket (``linger=0``)."""

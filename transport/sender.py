@@ -387,8 +387,9 @@ class KvSender:
 
     def _flush(self, out: Outgoing) -> None:
         gone = self.streamer.flush(out)
-        if gone is not None:
-            self._lose(self.peers[gone], "unreachable while sending")
+        peer = None if gone is None else self.peers.live(gone)
+        if peer is not None:
+            self._lose(peer, "unreachable while sending")
 
     def _release(self, out: Outgoing) -> None:
         """Unpin what no live peer reads; drop a closed, unpinned transfer."""

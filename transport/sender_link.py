@@ -225,7 +225,8 @@ class SenderLink:
 
     def sent_data(self, key: bytes) -> None:
         """A data channel reached ``key``: that renews our claim on its shared pool."""
-        self._last_sent[key] = time.monotonic()
+        if key in self.paths:
+            self._last_sent[key] = time.monotonic()
 
     def data_path(self, key: bytes) -> str:
         """``nixl`` or ``shm`` when the peer's was chosen at its handshake, else the frames'
@@ -233,8 +234,10 @@ class SenderLink:
         return self.paths.get(key, "?")
 
     def drop_peer(self, key: bytes) -> None:
-        """Unmap the peer's pool, if mapped, and drop its NIXL channel (the peer is gone
-        or reconnecting)."""
+        """Unmap the peer's pool, if mapped, drop its NIXL channel and what we kept about
+        it (the peer is gone or reconnecting)."""
+        self.paths.pop(key, None)
+        self._last_sent.pop(key, None)
         channel = self.shm.pop(key, None)
         if channel is not None:
             channel.close()
@@ -249,7 +252,8 @@ class SenderLink:
             if not is_unreachable(exc):
                 raise
             return False
-        self._last_sent[key] = time.monotonic()
+        if key in self.paths:   # handshaken; never one entry per stranger we answer
+            self._last_sent[key] = time.monotonic()
         self.stats["msgs_sent"] += 1
         return True
 
