@@ -33,8 +33,12 @@ class Scrape:
         return cls(t, dict(samples))
 
     def values(self, name: str, **where: str) -> list[tuple[dict[str, str], float]]:
+        # every rank of a tensor-parallel worker holds the same page ids: its pages are
+        # rank 0's (the other ranks' pool series would count them again)
+        lead = name.startswith("pdkv_kv_")
         return [(labels, v) for labels, v in self.samples.get(name, [])
-                if all(labels.get(k) == val for k, val in where.items())]
+                if all(labels.get(k) == val for k, val in where.items())
+                and not (lead and labels.get("rank", "0") != "0")]
 
     def total(self, name: str, **where: str) -> float:
         return sum(v for _, v in self.values(name, **where))

@@ -104,6 +104,47 @@ def test_a_lost_worker_is_marked_and_its_rows_are_empty():
     assert pre[2] == "LOST" and pre[3] == "-"
 
 
+def test_a_tensor_parallel_worker_shows_its_pages_once_and_every_ranks_bytes():
+    """Rank 0 reports its follower's families labelled by rank (WorkerMetrics.report):
+    pages (the same ids on every rank) count once, bytes of every rank add up."""
+    from common.metrics import loads, pack
+    from common.node.control import Load
+    from common.node.worker_metrics import WorkerMetrics
+
+    gatherer = Gatherer(NodeMetrics("router"))
+    ranks = []
+    for _ in range(2):
+        cache = KvCache(51, 4)
+        kv = cache.open_row("r0")
+        cache.extend(kv, 40)                     # 10 pages on each rank
+        ranks.append((cache, WorkerMetrics("decode", lambda: [])))
+        ranks[-1][1].watch(_cfg(), cache)
+    lead, follower = ranks[0][1], ranks[1][1]
+    follower.metrics.counter("pdkv_transfer_bytes_total").labels(direction="received").inc(
+        3e6)
+    lead.metrics.counter("pdkv_transfer_bytes_total").labels(direction="received").inc(1e6)
+
+    def scrape(t: float) -> Scrape:
+        report = lead.report("decode0", Load("decode0", 0, 0, 0), False,
+                             [pack(follower.metrics.collect())])
+        gatherer.report("decode0", "decode", loads(report.families))
+        return Scrape.of(gatherer.collect(), t)
+
+    before = scrape(0.0)
+    for m, n in ((lead, 1e6), (follower, 3e6)):
+        m.metrics.counter("pdkv_transfer_bytes_total").labels(direction="received").inc(n)
+    now = scrape(1.0)
+    assert {lb["rank"] for lb, _ in now.values("pdkv_transfer_bytes_total")} == {"0", "1"}
+    (row,) = view(now, before).workers
+    assert row.device["owned"] == 10 and row.kv_bytes_per_s == 4e6, row
+
+
+def _cfg():
+    from common.config import ServeConfig
+
+    return ServeConfig()
+
+
 def test_quantile_matches_prometheus_histogram_quantile():
     buckets = [(0.1, 2.0), (0.2, 6.0), (0.4, 8.0), (float("inf"), 8.0)]
     assert quantile(0.5, buckets) == pytest.approx(0.15)    # rank 4: halfway in (0.1, 0.2]

@@ -21,6 +21,7 @@ from common.model import Model, generate_greedy
 from deploy.driver import drive
 from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, make_workload
+from tests.metrics_helpers import assert_counters_match_log, by, freelog_counts, parse, scrape
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -74,7 +75,7 @@ def _check_logs(log_dir, worker: str, tp: int) -> None:
 def test_tp_groups_disaggregated_equal_the_reference_and_every_rank_log_is_clean(
         tmp_path, reference, ptp, dtp, shm):
     cfg = replace(CFG, prefill_tp=ptp, decode_tp=dtp, shared_memory=shm)
-    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path))
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path), metrics_port=0)
     try:
         cluster.start()
         names = [p.name for p in cluster.procs]
@@ -82,14 +83,72 @@ def test_tp_groups_disaggregated_equal_the_reference_and_every_rank_log_is_clean
                          *(_rank("decode0", r) for r in range(dtp))], names
         results = _outputs(cluster)
         assert {rid: r.output_ids for rid, r in results.items()} == reference
+        live = _scrape_all_ranks(cluster.metrics_url, ptp, dtp)
     finally:
         cluster.stop()
     cluster.check_exit_codes()
     # every decode rank connected to every prefill rank, by the asked data path
+    path = "shm" if shm else "ipc"
     paths = _data_paths(tmp_path, dtp)
-    assert all(p == ({"shm"} if shm else {"ipc"}) for p in paths.values()), paths
+    assert all(p == {path} for p in paths.values()), paths
     _check_logs(tmp_path, "prefill0", ptp)
     _check_logs(tmp_path, "decode0", dtp)
+    # the router's view (live and final) and the final stats hold every rank's figures
+    final = parse((tmp_path / "metrics.prom").read_text())
+    sent = _check_rank_metrics(final, tmp_path, "prefill0", ptp, None, path)
+    _check_rank_metrics(final, tmp_path, "decode0", dtp, sent, path)
+    gauge = live["pdkv_transfer_data_path"]
+    assert all(v == 1 and lb["path"] == path for lb, v in gauge), gauge
+    assert {(lb["worker"], lb.get("rank")) for lb, _ in gauge} == _ranks(ptp, dtp), gauge
+    stats = cluster.final_stats
+    for worker, tp, key in (("prefill0", ptp, "bytes_sent"), ("decode0", dtp, "bytes_recv")):
+        for rank in range(1, tp):
+            assert stats[worker][f"tp{rank}.transfer_pages"] == sent, (worker, rank, stats)
+            assert stats[worker][f"tp{rank}.{key}"] > 0, (worker, rank, stats)
+
+
+def _scrape_all_ranks(url: str, ptp: int, dtp: int) -> dict:
+    """The router's /metrics once every rank of both groups reported (heartbeats)."""
+    want = _ranks(ptp, dtp)
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(url)
+        got = {(lb["worker"], lb.get("rank")) for lb, _ in samples.get("pdkv_kv_pages", [])}
+        if want <= got or time.monotonic() > deadline:
+            assert want <= got, (want, got)
+            return samples
+        time.sleep(0.1)
+
+
+def _ranks(ptp: int, dtp: int) -> set[tuple[str, str | None]]:
+    """(worker, rank label) of every rank's series (a one-rank worker has no label)."""
+    return {(w, str(r) if tp > 1 else None) for w, tp in (("prefill0", ptp), ("decode0", dtp))
+            for r in range(tp)}
+
+
+def _check_rank_metrics(final, log_dir, worker: str, tp: int, sent: int | None,
+                        path: str) -> int:
+    """Each rank's KV counters equal what its own free log replays, and its completed
+    transfers count the pages its log freed as ``sent`` (prefill; ``sent``: what every
+    decode rank received), in bytes of its own heads. Returns the pages sent."""
+    page_bytes = CFG.model_config().kv_layout(with_draft=CFG.with_draft).page_bytes(4) // tp
+    direction = "received" if sent is not None else "sent"
+    for rank in range(tp):
+        where = {"worker": worker} if tp == 1 else {"worker": worker, "rank": str(rank)}
+        log = log_dir / f"{_rank(worker, rank)}.freelog"
+        counts = freelog_counts(log)
+        assert_counters_match_log(final, counts, tier="device", **where)
+        if sent is None:
+            sent = counts["full"]["frees_by_reason"]["sent"]["pages"]
+        keys = ("direction", "path")
+        assert by(final, "pdkv_transfer_pages_total", keys, **where) == {
+            (direction, path): sent}, (worker, rank)
+        assert by(final, "pdkv_transfer_completed_bytes_total", keys, **where) == {
+            (direction, path): sent * page_bytes}, (worker, rank)
+        assert by(final, "pdkv_transfer_seconds_count", keys, **where) == {
+            (direction, path): SPEC.requests}, (worker, rank)
+    assert sent > 0
+    return sent
 
 
 def _data_paths(log_dir, dtp: int) -> dict[str, set[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from common.kv import KvCache, KvLayout
 from common.model import Lockstep
 from common.model.tp_lockstep import CODEC, OP_CODEC, TpKvOp
 from common.parallel import TpGroup
@@ -48,6 +49,7 @@ class Endpoint:
 
     def __init__(self, chunk_timeout_s: float = 60.0) -> None:
         self.config = TransportConfig(chunk_timeout_s=chunk_timeout_s)
+        self.cache = KvCache(16, 4, layout=KvLayout(num_layers=2))
         self.queued: list[Event] = []
         self.calls: list[tuple] = []
         self.address = "ipc:///tmp/p0.kv"
@@ -153,10 +155,17 @@ def test_a_follower_keeps_each_rids_status_from_its_own_endpoint():
     rank.apply(_op("x_finish", "r2", n=5), object())
     assert real.calls == [("expect", "r2", "cap"), ("finish", "r2", 5)]
     assert rank.status("r2") == PENDING
-    real.queued = [Event(EventKind.COMPLETED, "r2"), Event(EventKind.FAILED, "r3",
-                                                           reason="timeout")]
+    real.queued = [Event(EventKind.COMPLETED, "r2", prompt_len=9, cached_tokens=4,
+                         path="shm"),
+                   Event(EventKind.FAILED, "r3", reason="timeout")]
     rank.poll(0)
     assert (rank.status("r2"), rank.status("r3")) == (DONE, failed("timeout"))
+    # counted as rank 0 counts its own: 3 pages of the prompt less 1 the decode held,
+    # in bytes of this rank's heads; the failed transfer is not counted
+    page_bytes = real.cache.layout.page_bytes(4)
+    (done,) = rank.take_completed()
+    assert done[:3] == ("sent", 2, 2 * page_bytes) and done[4] == "shm" and done[3] >= 0
+    assert rank.take_completed() == [] and "r2" not in rank.finished
     rank.forget("r2")
     assert rank.status("r2") == PENDING
 

@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from .events import Event, EventKind
 from .limits import ABORT_REASONS
+from .metrics import transport_readings
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +166,15 @@ class GroupReceiver(_GroupEndpoint):
 
 
 class _RankEndpoint:
-    """A follower's endpoint: repeats rank 0's transfer ops, keeps each rid's status."""
+    """A follower's endpoint: repeats rank 0's transfer ops, keeps each rid's status and
+    the transfers completed on this rank (its metrics, ``take_completed``)."""
+
+    direction = ""
 
     def __init__(self, endpoint, node: str) -> None:
         self.endpoint, self.node = endpoint, node
         self.statuses: dict[str, int] = {}
+        self.completed: list[tuple[str, int, int, float, str]] = []
 
     def apply(self, op, kv) -> None:
         """One ``x_*`` op; a failure fails this rank's part of the rid, never the rank."""
@@ -198,6 +203,7 @@ class _RankEndpoint:
         for ev in self.endpoint.poll(timeout_s):
             if ev.kind == EventKind.COMPLETED:
                 self.statuses[ev.rid] = DONE
+                self.completed.append(self._counted(ev))
             elif ev.kind.is_final:
                 self.statuses[ev.rid] = failed(ev.reason)
             elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
@@ -206,9 +212,31 @@ class _RankEndpoint:
     def close(self) -> None:
         self.endpoint.close()
 
+    def sockets(self) -> list:
+        return self.endpoint.sockets()
+
+    def poll_within(self) -> float | None:
+        return self.endpoint.poll_within()
+
+    def _counted(self, ev: Event) -> tuple[str, int, int, float, str]:
+        raise NotImplementedError
+
+    def take_completed(self) -> list[tuple[str, int, int, float, str]]:
+        out, self.completed = self.completed, []
+        return out
+
+    def readings(self) -> list[tuple[str, dict[str, str], float]]:
+        return transport_readings(self.endpoint, self.direction)
+
 
 class RankSender(_RankEndpoint):
     """A prefill follower's ``KvSender``: sends this rank's heads of what rank 0 sends."""
+
+    direction = "sent"
+
+    def __init__(self, endpoint, node: str) -> None:
+        super().__init__(endpoint, node)
+        self.finished: dict[str, float] = {}  # rid -> when rank 0's prefill finished
 
     def apply(self, op, kv) -> None:
         if op.op == "x_expect":  # before the row exists: the router just routed it here
@@ -216,22 +244,42 @@ class RankSender(_RankEndpoint):
             return
         super().apply(op, kv)
 
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
+        self.finished.pop(rid, None)
+
     def _start(self, op, kv) -> None:
         if op.op == "x_send":
             self.endpoint.send(op.owner, kv, op.n)
         elif op.op == "x_finish":
+            self.finished[op.owner] = time.monotonic()
             self.endpoint.finish(op.owner, kv, op.n)
         else:
             raise ValueError(f"a prefill rank does not take {op.op}")
+
+    def _counted(self, ev: Event) -> tuple[str, int, int, float, str]:
+        """As rank 0 counts it: the prompt's pages less the decode's cached prefix, the
+        prefill's end (here: its ``x_finish``) to the last acknowledgement."""
+        cache = self.endpoint.cache
+        ps = cache.page_size
+        pages = -(-ev.prompt_len // ps) - ev.cached_tokens // ps
+        since = self.finished.pop(ev.rid, None)
+        seconds = 0.0 if since is None else time.monotonic() - since
+        return ("sent", pages, pages * cache.layout.page_bytes(ps), seconds, ev.path)
 
 
 class RankReceiver(_RankEndpoint):
     """A decode follower's ``KvReceiver``: receives this rank's heads from the prefill
     ranks that hold them, into the row rank 0 allocated (the same page ids)."""
 
+    direction = "received"
+
     def __init__(self, endpoint, node: str) -> None:
         super().__init__(endpoint, node)
         self.groups: dict[tuple[str, ...], int] = {}
+
+    def _counted(self, ev: Event) -> tuple[str, int, int, float, str]:
+        return ("received", ev.kv_pages, ev.kv_bytes, ev.xfer_s, ev.path)
 
     def _start(self, op, kv) -> None:
         if op.op != "x_announce":

@@ -21,12 +21,13 @@ from common.model.tp_lockstep import (
     LeaderRunner,
     Lockstep,
     RankPins,
+    RankReport,
 )
 from common.model.tp_mirror import Mirror, RankTransfer
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "LeaderKvCache",
-           "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankTransfer", "TAG_CONFIG",
-           "TAG_STEP", "Model", "ModelConfig",
+           "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankReport", "RankTransfer",
+           "TAG_CONFIG", "TAG_STEP", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
            "sample", "seeded_tensors", "shard_config", "TpModel", "write_builtin_tokenizer",

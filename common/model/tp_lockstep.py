@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.codec import Codec, pack_ids
+from common.codec import Codec, DecodeError, pack_ids
 from common.kv import KvCache, KvRecord
 from common.model.runner import BatchItem, ModelRunner
 from common.parallel import GroupLost, TpGroup
@@ -75,17 +75,36 @@ class TpStep:
 
     kind: str
     """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about),
-    health (free-log problems asked for) or stop."""
+    health (each rank's ``RankReport`` asked for) or stop."""
     ops: list[bytes] = field(default_factory=list)
     draft: bool = False
     owners: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     tokens: bytes = b""
+    final: bool = False
+    """health: the last one (the pools closed); the report carries the rank's stats."""
 
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a follower tells rank 0 at every heartbeat (the ``health`` step)."""
+
+    problems: str = ""
+    """Its free logs that cannot write now ("" when they all can)."""
+    metrics: bytes = b""
+    """Its metric families (``common.metrics.pack``): its pool, its KV transport."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Final step only: its final counters (the worker's ``Stats`` under ``tp<r>.``)."""
+
+
+MAX_REPORT_BYTES = 1 << 20
+"""A follower's report is at most this (its metrics are left out past it): the gather's
+payload is bounded by the protocol, not by what a rank happens to hold."""
 
 CODEC = Codec(TpKvOp, TpStep, max_bytes=256 << 20)
 OP_CODEC = Codec(TpKvOp)
+REPORT_CODEC = Codec(RankReport, max_bytes=MAX_REPORT_BYTES)
 
 
 def _counters(kv: KvRecord) -> list[int]:
@@ -155,22 +174,25 @@ class Lockstep:
         self._last = time.monotonic()
         return verdicts
 
-    def health(self) -> list[str]:
-        """Each follower's free-log problems (``""``: its logs write), in rank order: the
-        step says what is asked, then one gather (sizes first: every rank knows the
-        shape). Rank 0 pauses admission on them as on its own (``WorkerBase``)."""
+    def health(self, final: bool = False) -> list[RankReport]:
+        """Each follower's ``RankReport`` (free-log problems, metrics; ``final``: stats
+        too), in rank order: the step says what is asked, then one gather (sizes first:
+        every rank knows the shape; each payload at most ``MAX_REPORT_BYTES``). Rank 0
+        pauses admission on the problems as on its own and reports the metrics labelled
+        by rank (``WorkerBase``). A report that does not decode counts as a problem."""
         if self.lost is not None:
             raise GroupLost(f"tp group already lost: {self.lost}")
         with self._lock:
             ops, self._ops, self._urgent = self._ops, [], False
         try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops)))
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops,
+                                                                     final=final)))
             got = self.group.gather_bytes(b"")
         except GroupLost as exc:
             self.lost = exc
             raise
         self._last = time.monotonic()
-        return [g.decode(errors="replace") for g in got[1:]]
+        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
 
     def keepalive(self) -> None:
         """Called after every tick: the ops recorded since the last step go out at once
@@ -187,6 +209,24 @@ class Lockstep:
             except GroupLost:
                 logger.warning("tp: a follower was gone at shutdown")
         self.group.close()
+
+
+def _report(rank: int, raw: bytes) -> RankReport:
+    try:
+        return REPORT_CODEC.decode(raw)
+    except DecodeError as exc:
+        return RankReport(problems=f"tp rank {rank}: its report does not decode ({exc})")
+
+
+def encode_report(report: RankReport) -> bytes:
+    """A follower's report as it travels; its metrics are dropped when they would make
+    it larger than ``MAX_REPORT_BYTES`` (said in ``problems``, never a failed gather)."""
+    raw = REPORT_CODEC.encode(report)
+    if len(raw) <= MAX_REPORT_BYTES:
+        return raw
+    logger.warning("tp: a rank's metrics are %d bytes, more than %d: not reported",
+                   len(report.metrics), MAX_REPORT_BYTES)
+    return REPORT_CODEC.encode(RankReport(report.problems, b"", report.stats))
 
 
 def _ids(token_ids) -> np.ndarray:

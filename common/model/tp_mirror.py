@@ -7,6 +7,7 @@ and mapped to this rank's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -15,7 +16,7 @@ from common.codec import DecodeError, unpack_ids
 from common.freelog import log_problems
 from common.kv import KvRecord
 from common.model.runner import BatchItem, ModelRunner
-from common.model.tp_lockstep import CODEC, OP_CODEC, TpKvOp, TpStep
+from common.model.tp_lockstep import CODEC, OP_CODEC, RankReport, TpKvOp, TpStep, encode_report
 from common.parallel import GroupLost
 
 
@@ -35,8 +36,26 @@ class RankTransfer(Protocol):
     def poll(self, timeout_s: float) -> None:
         """Move this rank's transfers on, waiting up to ``timeout_s`` for its sockets."""
 
+    def sockets(self) -> list:
+        """The sockets whose input means ``poll`` has work (a follower sleeps on them)."""
+
+    def poll_within(self) -> float | None:
+        """Seconds within which ``poll`` must run again with no socket waking it (NIXL);
+        None: whenever."""
+
     def close(self) -> None:
         """Stop every transfer and drop its pins (before the pool closes)."""
+
+    def readings(self) -> list[tuple[str, dict[str, str], float]]:
+        """This rank's transport counters and data paths as metric readings."""
+
+    def take_completed(self) -> list[tuple[str, int, int, float, str]]:
+        """Transfers completed on this rank since the last call: (direction, pages,
+        bytes, seconds, path), as ``WorkerMetrics.on_transfer`` counts them."""
+
+
+Reporter = Callable[[bool], RankReport]
+"""Builds this rank's report for a ``health`` step (argument: the final one)."""
 
 
 class Mirror:
@@ -48,9 +67,10 @@ class Mirror:
     """
 
     def __init__(self, runner: ModelRunner, rank: int, transfer: RankTransfer | None = None,
-                 group=None) -> None:
+                 group=None, reporter: Reporter | None = None) -> None:
         self.runner, self.cache, self.rank = runner, runner.cache, rank
         self.transfer, self.group = transfer, group
+        self.reporter = reporter or (lambda _final: RankReport(self.log_problems()))
         self.rows: dict[str, KvRecord] = {}
         self.held: dict[str, set[int]] = {}  # row page indices each row still holds
         self.cache_owners: set[str] = set()
@@ -73,7 +93,7 @@ class Mirror:
             self.group.all_min([self.transfer.status(rid) if self.transfer else 1
                                 for rid in step.owners])
         elif step.kind == "health":
-            self.group.gather_bytes(self.log_problems().encode())
+            self.group.gather_bytes(encode_report(self.reporter(step.final)))
         return True
 
     def log_problems(self) -> str:

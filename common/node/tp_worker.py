@@ -7,6 +7,9 @@ size) to the other ranks, which build their shard of the model and a pool of the
 heads, then follow rank 0 step by step (``common.model.tp_lockstep``). Only rank 0 talks
 to the router; the other ranks have no socket but the group's.
 
+Followers' metrics and final counters reach the router through rank 0, labelled
+``rank`` (``common.node.tp_metrics``).
+
 Each rank writes its own free log: ``<name>.freelog`` for rank 0, ``<name>.tp<r>.freelog``
 for rank ``r`` (node ``<name>/tp<r>``), all in the worker's log directory.
 
@@ -44,6 +47,8 @@ from common.model import (
     RankTransfer,
     TpModel,
 )
+from common.node.link import wait_any
+from common.node.tp_metrics import RankMetrics
 from common.parallel import GroupLost, TpGroup
 
 logger = logging.getLogger(__name__)
@@ -145,6 +150,44 @@ def _on_signals() -> list[float]:
     return asked
 
 
+class _Leave(BaseException):
+    """A follower signalled alone leaves its group (not an error of a collective: it
+    passes through ``TpGroup``'s wrapping of failures into ``GroupLost``)."""
+
+
+_TRANSPORT_WAIT_S = 0.02
+"""Longest sleep of a follower with a KV transport: its heartbeats, leases and deadlines
+move on at this pace, as rank 0's loop (``WorkerBase.idle_wait_s``)."""
+_SIGNAL_WAIT_S = 0.25
+"""Longest sleep of a follower without one: how soon it sees its grace pass."""
+
+
+class FollowerWait:
+    """How a follower waits for rank 0's next step (``TpGroup.broadcast_bytes``'s
+    ``idle``): asleep on its KV transport's sockets and on the group's wake fd at once,
+    so that it wakes the moment rank 0's step lands or a peer's message arrives, and at
+    least every ``_TRANSPORT_WAIT_S`` for its transport's timers. The group's deadline
+    still bounds the whole wait; a SIGTERM that rank 0 does not follow within ``grace``
+    makes it leave."""
+
+    def __init__(self, mirror: Mirror, asked: list[float], grace: float) -> None:
+        self.mirror, self.asked, self.grace = mirror, asked, grace
+
+    def __call__(self, wake_fd: int, left_s: float) -> None:
+        self.check_signalled()
+        transfer = self.mirror.transfer
+        if transfer is None:
+            wait_any([wake_fd], min(left_s, _SIGNAL_WAIT_S))
+            return
+        wait_any([*transfer.sockets(), wake_fd],
+                 min(left_s, transfer.poll_within() or _TRANSPORT_WAIT_S))
+        transfer.poll(0)
+
+    def check_signalled(self) -> None:
+        if self.asked and time.monotonic() - self.asked[0] > self.grace:
+            raise _Leave
+
+
 def _layout(config: ServeConfig, model: TpModel):
     """The deployment's layout with this rank's KV heads."""
     from dataclasses import replace
@@ -181,20 +224,20 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
         runner = ModelRunner(model, cache)
         transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
                              kv_advertise, group)
+        counting = RankMetrics(setup.get("role", "colocated"), cache, transfer)
         mirror = Mirror(runner, spec.rank, transfer, group)
+        mirror.reporter = lambda final: counting.report(mirror.log_problems(), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
-        asked = _on_signals()
-        grace = min(5.0, spec.timeout_s / 2)
-        idle = None if transfer is None else (lambda: mirror.transfer and
-                                              mirror.transfer.poll(0.001))
-        while mirror.apply(group.broadcast_bytes(TAG_STEP, None, idle)):
-            if mirror.transfer is not None:
-                mirror.transfer.poll(0)  # steps may come back to back: never starve it
-            if asked and time.monotonic() - asked[0] > grace:
-                logger.warning("%s: signalled and rank 0 did not stop within %.0f s: "
-                               "leaving the group", node, grace)
-                break
+        wait = FollowerWait(mirror, _on_signals(), min(5.0, spec.timeout_s / 2))
+        try:
+            while mirror.apply(group.broadcast_bytes(TAG_STEP, None, wait)):
+                if mirror.transfer is not None:
+                    mirror.transfer.poll(0)  # steps may come back to back: never starve it
+                wait.check_signalled()
+        except _Leave:
+            logger.warning("%s: signalled and rank 0 did not stop within %.0f s: "
+                           "leaving the group", node, wait.grace)
         if not mirror.closed:  # rank 0 stopped without closing its pool: close ours
             mirror.abandon()
         return 0

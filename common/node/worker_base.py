@@ -54,6 +54,7 @@ from common.node.control import (
 from common.node.keys import Keys
 from common.node.link import ControlLink, Link, wait_any
 from common.node.registration import RouterLost, check_deployment, register
+from common.node.tp_metrics import rank_stats
 from common.node.tp_worker import TpSpec, leader_cache, role_tp
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
@@ -93,6 +94,8 @@ class WorkerBase(ABC):
         self.tp = tp if tp is not None and tp.size > 1 else None
         """Rank 0 of a tensor-parallel group (common/node/tp_worker.py); None: one rank."""
         self.lockstep = None
+        self.rank_reports: list = []
+        """The followers' last ``RankReport``s, in rank order (rank 0 of a group)."""
         # This host's copies of the checkpoints (model_path, draft_model_path) replace
         # the router's paths; the KV handshake's weights fingerprint proves they match.
         self.local_models = dict(local_models or {})
@@ -326,18 +329,24 @@ class WorkerBase(ABC):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
+            self._ask_ranks()
             self._check_free_logs()
             load = replace(self.load(), paused=self.paused)
             self.link.send(load)
             self._report(load)
+
+    def _ask_ranks(self, final: bool = False) -> None:
+        """Rank 0 of a group: every follower's report (free-log problems, metrics; the
+        final one its stats too), kept for the checks and reports that follow."""
+        if self.lockstep is not None:
+            self.rank_reports = self.lockstep.health(final)
 
     def _check_free_logs(self) -> None:
         """While a free log cannot write, admit nothing new (the router stops routing here
         on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md). In a
         tensor-parallel group that is any rank's log (rank 0 asks its followers)."""
         failing = [h.summary() for h in log_problems() if not h.ok]
-        if self.lockstep is not None:  # every rank's logs count: each follower is asked
-            failing += [why for why in self.lockstep.health() if why]
+        failing += [r.problems for r in self.rank_reports if r.problems]  # followers'
         why = "; ".join(failing)
         if failing and self.config.freelog_on_error == "exit":
             raise FreeLogFailed(f"{self.name}: exiting (freelog_on_error=exit): {why}")
@@ -356,8 +365,17 @@ class WorkerBase(ABC):
 
     def _report(self, load: Load | None, final: bool = False) -> None:
         """This process's metrics to the router (every heartbeat, and last at close)."""
-        if (report := self.counting.report(self.name, load, final)) is not None:
+        ranks = [r.metrics for r in self.rank_reports]  # a group's: labelled by rank
+        if (report := self.counting.report(self.name, load, final, ranks)) is not None:
             self.link.send(report)
+
+    def _last_ask_ranks(self) -> None:
+        """The followers' final reports, once their pools closed too (the step carries
+        rank 0's close): a group already lost keeps the last ones it had."""
+        try:
+            self._ask_ranks(final=True)
+        except GroupLost as exc:
+            logger.warning("%s: the followers' final figures are missing: %s", self.name, exc)
 
     def _final_load(self) -> Load | None:
         """The queues as they are at the end (None: parts already closed)."""
@@ -425,10 +443,12 @@ class WorkerBase(ABC):
             if self.built:
                 self.built = False
                 self.shutdown()
+                self._last_ask_ranks()
                 if self.lockstep is not None:
                     self.lockstep.stop()  # after the pool's close: the ranks close theirs
                 self._report(self._final_load(), final=True)
-                self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats()}))
+                self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats(),
+                                                 **rank_stats(self.rank_reports)}))
         finally:
             if self.link is not None:
                 self.link.close_after(_FAREWELL_S)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from common.config import ServeConfig
 from common.kv import KvCache
-from common.metrics import NodeMetrics, pack
+from common.metrics import NodeMetrics, WireError, from_wire, loads, merge, pack
 from common.node.control import Load, Message, MetricsReport, Req, Tokens
 
 logger = logging.getLogger(__name__)
@@ -52,21 +52,23 @@ class WorkerMetrics:
                     path: str) -> None:
         """A request's KV transfer completed: ``direction`` sent (prefill, acknowledged
         by every decode rank) or received (decode, every page landed), over ``path``."""
-        labels = {"direction": direction, "path": path or "?"}
-        self.metrics.counter("pdkv_transfer_pages_total").labels(**labels).inc(pages)
-        self.metrics.counter("pdkv_transfer_completed_bytes_total").labels(**labels).inc(
-            nbytes)
-        if pages:   # a prefix the decode held whole moved nothing: no transfer time
-            self.metrics.histogram("pdkv_transfer_seconds").labels(**labels).observe(seconds)
+        count_transfer(self.metrics, direction, pages, nbytes, seconds, path)
 
-    def report(self, name: str, load: Load | None, final: bool = False
-               ) -> MetricsReport | None:
+    def report(self, name: str, load: Load | None, final: bool = False,
+               ranks: Sequence[bytes] = ()) -> MetricsReport | None:
         """The report to send (None when collecting failed: metrics never take a worker
-        down); ``load``: the queues now (None keeps the last heartbeat's)."""
+        down); ``load``: the queues now (None keeps the last heartbeat's).
+
+        ``ranks``: rank 0 of a tensor-parallel group passes its followers' metrics (wire
+        bytes, rank order; empty when one did not report); every sample then carries
+        ``rank`` (this process's ``"0"``)."""
         if load is not None:
             self._last_load = load
         try:
-            return MetricsReport(name, pack(self.metrics.collect()), final)
+            own = self.metrics.collect()
+            if ranks:
+                own = merge([({"rank": "0"}, own), *_followers(name, ranks)])
+            return MetricsReport(name, pack(own), final)
         except Exception:
             logger.exception("%s: collecting metrics failed", name)
             return None
@@ -78,6 +80,30 @@ class WorkerMetrics:
         queue = "prefill" if self.role == "prefill" else "admission"
         return [("pdkv_running_requests", {}, load.running),
                 ("pdkv_queue_requests", {"queue": queue}, load.queued)]
+
+
+def count_transfer(metrics: NodeMetrics, direction: str, pages: int, nbytes: int,
+                   seconds: float, path: str) -> None:
+    """One completed KV transfer into ``metrics`` (rank 0's and every follower's)."""
+    labels = {"direction": direction, "path": path or "?"}
+    metrics.counter("pdkv_transfer_pages_total").labels(**labels).inc(pages)
+    metrics.counter("pdkv_transfer_completed_bytes_total").labels(**labels).inc(nbytes)
+    if pages:   # a prefix the decode held whole moved nothing: no transfer time
+        metrics.histogram("pdkv_transfer_seconds").labels(**labels).observe(seconds)
+
+
+def _followers(name: str, ranks: Sequence[bytes]) -> list:
+    """``(labels, families)`` of each follower whose metrics decode (checked as the
+    router checks a worker's: a follower's bad report is left out, never forwarded)."""
+    out = []
+    for rank, raw in enumerate(ranks, 1):
+        if not raw:
+            continue
+        try:
+            out.append(({"rank": str(rank)}, from_wire(loads(raw))))
+        except WireError as exc:
+            logger.warning("%s: tp rank %d's metrics left out: %s", name, rank, exc)
+    return out
 
 
 def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,7 +30,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _HEADER = 2  # int64 [tag, nbytes]
-_IDLE_MIN_S = 0.001  # an idle callback that returned sooner is followed by this sleep
 
 
 class GroupLost(RuntimeError):
@@ -57,6 +57,7 @@ class TpGroup:
         self.timeout_s = timeout_s
         self._cpu_group = None  # gloo group for control payloads (None: the default group)
         self._joined = False
+        self._wake: _Waker | None = None  # readable when rank 0's step header landed
 
     @classmethod
     def solo(cls, device: str | torch.device = "cpu") -> TpGroup:
@@ -148,8 +149,10 @@ class TpGroup:
         orders diverged: a bug, never papered over).
 
         ``idle`` (ranks other than 0): called over and over while the header has not
-        come, each call waiting a little for other work (a follower's KV transport lives
-        on between rank 0's steps); the deadline still holds."""
+        come, as ``idle(wake_fd, left_s)``: it waits (at most ``left_s``, the deadline's
+        rest) for its own work or for ``wake_fd`` to be readable, which it becomes the
+        moment rank 0's header lands (a follower's KV transport lives on between rank
+        0's steps, and it sleeps on its sockets and on rank 0 at once: no polling)."""
         if self.size == 1:
             return payload
         header = torch.tensor([tag, len(payload)] if self.is_leader else [0, 0],
@@ -167,17 +170,27 @@ class TpGroup:
             self._run("broadcast", dist.broadcast, data, src=0, group=self._cpu_group)
         return payload if self.is_leader else data.numpy().tobytes()
 
-    def _wait_idle(self, header: torch.Tensor, idle: Callable[[], None]) -> None:
+    def _wait_idle(self, header: torch.Tensor, idle: Callable[[int, float], None]) -> None:
         work = dist.broadcast(header, src=0, group=self._cpu_group, async_op=True)
+        wake = self._waker()
+        # gloo completes the broadcast on its own thread: the future's callback makes
+        # the pipe readable there (at once if it already completed)
+        work.get_future().add_done_callback(lambda _done: wake.poke())
         deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"nothing from rank 0 within {self.timeout_s:.0f} s")
-            idle()
-            if time.monotonic() - now < _IDLE_MIN_S:  # it had nothing to wait on: no spin
-                time.sleep(_IDLE_MIN_S)
+        try:
+            while not work.is_completed():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"nothing from rank 0 within {self.timeout_s:.0f} s")
+                idle(wake.fd, left)
+        finally:
+            wake.drain()
         work.wait()  # raises what the broadcast met (a rank gone)
+
+    def _waker(self) -> _Waker:
+        if self._wake is None:
+            self._wake = _Waker()
+        return self._wake
 
     def all_min(self, values: list[int]) -> list[int]:
         """The element-wise minimum of every rank's ``values`` on every rank. Every rank
@@ -212,6 +225,9 @@ class TpGroup:
     # -- life ------------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the group (idempotent); collectives fail afterwards."""
+        if self._wake is not None:
+            self._wake.close()
+            self._wake = None
         if self._joined:
             self._joined = False
             try:
@@ -228,6 +244,43 @@ class TpGroup:
         except Exception as exc:
             raise GroupLost(f"tp rank {self.rank}/{self.size}: {what} failed (a rank died "
                             f"or missed the {self.timeout_s:.0f} s deadline): {exc}") from exc
+
+
+class _Waker:
+    """A pipe that a broadcast's completion makes readable (``poke``, from gloo's
+    thread), so that a follower sleeps on it next to its sockets (``zmq.Poller`` and
+    ``select`` take the raw ``fd``)."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+        self._lock = threading.Lock()  # a late poke never writes to a reused fd number
+        self._closed = False
+
+    def poke(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._w, b"\0")
+            except BlockingIOError:  # full: readable already
+                pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._w)
 
 
 def _as_tensor(payload: bytes) -> torch.Tensor:
