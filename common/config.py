@@ -211,15 +211,14 @@ class ServeConfig:
             return
         from common.model import shard_config  # heads and MLP must split evenly
 
+        draft = self.draft_model_config()  # sharded like the target (common/model/tp.py)
         for tp in {self.prefill_tp, self.decode_tp}:
             shard_config(self.model_config(), tp)
+            if draft is not None:
+                shard_config(draft, tp)
         if self.offload:
             raise ValueError("tensor parallelism (prefill_tp/decode_tp > 1) needs "
                              "offload=False: the host tier is not split by rank yet")
-        if self.draft_model_path:
-            raise ValueError("tensor parallelism needs no draft_model_path: a draft "
-                             "checkpoint is not sharded yet (n-gram or built-in draft "
-                             "layers work)")
 
     def _check_models(self) -> None:
         """Refuse a checkpoint pdkv cannot serve now, before any process starts."""

@@ -40,6 +40,10 @@ KINDS: dict[str, tuple[str, dict]] = {
     "llama-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 32,
                               "intermediate_size": 64, "num_attention_heads": 2,
                               "num_key_value_heads": 1}),
+    # a draft for "llama" that splits over two ranks: KV heads 2 of 8 (vs 2 of 16)
+    "llama-draft-tp2": ("llama", {"num_hidden_layers": 1, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2}),
 }
 """Checkpoint kinds: (model type, config overrides)."""
 

@@ -9,6 +9,7 @@ and the deployment serves on with the other worker."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -70,6 +71,51 @@ def test_a_colocated_tp2_worker_equals_the_reference_and_every_rank_log_is_clean
         "colocated0.freelog", "colocated0.tp1.freelog"))
     assert (node0, node1) == ("colocated0", "colocated0/tp1")
     assert allocs0 == allocs1 and len(allocs0) >= len(reference)  # the same pages, in order
+
+
+def test_a_colocated_tp2_worker_with_a_draft_checkpoint_equals_transformers(tmp_path):
+    """The draft checkpoint (narrower KV rows than the target's) is sharded over the two
+    ranks like the target; speculation with it is exact, so the output is transformers'
+    greedy output of the target, and both ranks' logs replay clean with the same pages."""
+    pytest.importorskip("transformers")
+    from tests.checkpoint_helpers import hf_checkpoint, hf_generate
+
+    cfg = replace(CFG, model_path=str(hf_checkpoint("llama")),
+                  draft_model_path=str(hf_checkpoint("llama-draft-tp2")))
+    assert cfg.kv_layout().num_draft_layers == 1
+    reqs = make_workload(SPEC, cfg.model_config().vocab_size)
+    cluster = Cluster(cfg, "colocated", 0, 1, log_dir=str(tmp_path))
+    try:
+        cluster.start()
+        results = drive(cluster.client, reqs, check=cluster.check, timeout_s=120,
+                        lease_s=CFG.lease_s)
+    finally:
+        stats = cluster.stop()
+    cluster.check_exit_codes()
+    assert {rid: r.output_ids for rid, r in results.items()} == {
+        r.rid: hf_generate("llama", r.prompt, r.max_new_tokens) for r in reqs}
+    assert stats["colocated0"]["spec_proposed"] > 0, stats  # the draft did propose
+    logs = [tmp_path / "colocated0.freelog", tmp_path / "colocated0.tp1.freelog"]
+    for log in logs:
+        report = replay_file(log)
+        assert report.ok and not report.warnings, report.format()
+    assert _allocs(logs[0])[1] == _allocs(logs[1])[1]
+
+
+def test_a_narrow_draft_checkpoint_needs_equal_prefill_and_decode_groups():
+    from common.node.tp_worker import check_draft_split
+    from tests.checkpoint_helpers import hf_checkpoint
+
+    pytest.importorskip("transformers")
+    cfg = replace(CFG, model_path=str(hf_checkpoint("llama")),
+                  draft_model_path=str(hf_checkpoint("llama-draft-tp2")), prefill_tp=1)
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="prefill_tp=1 and decode_tp=2 must be equal"):
+            check_draft_split(cfg, role)
+    check_draft_split(cfg, "colocated")              # one group: nothing to map
+    check_draft_split(replace(cfg, prefill_tp=2), "decode")
+    wide = replace(cfg, draft_model_path=str(hf_checkpoint("llama")))
+    check_draft_split(wide, "prefill")               # as wide as the target: maps as it
 
 
 def _wait_gone(cluster: Cluster, name: str) -> None:

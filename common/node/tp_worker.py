@@ -105,12 +105,52 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
     setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,
              "name": name, "role": role, "shared_memory": shared, "kv_auth": kv_auth or {}}
     group.broadcast_bytes(TAG_CONFIG, json.dumps(setup).encode())
-    model = TpModel(config.model_config(), group, device)
+    model, draft = _models(config, group, device)
     lockstep = Lockstep(group)
     cache = LeaderKvCache(num_pages, config.page_size, layout=_layout(config, model),
                           device=device, log_path=freelog_path(log_dir, name, 0), node=name,
                           max_rows=max_rows, lockstep=lockstep, shared_memory=shared)
-    return model, cache, LeaderRunner(model, cache)
+    return model, cache, LeaderRunner(model, cache, draft)
+
+
+def _models(config: ServeConfig, group: TpGroup, device: str) -> tuple[TpModel, TpModel | None]:
+    """This rank's shard of the target and of the draft checkpoint (if any).
+
+    A draft checkpoint is sharded exactly as the target (heads and MLP split, the head's
+    vocabulary sharded, logits gathered to rank 0): every rank runs its shard of every
+    draft pass in the lockstep, as it does the target's, and keeps the draft's KV of its
+    own heads in the first columns of its own rows. So the draft's KV of a request lives
+    on every rank next to the target's and travels with it, and rank 0 samples the
+    proposals from gathered logits as it does the target's tokens. Replicating the draft
+    on every rank would keep a full draft's KV on each (rows are per rank) and run each
+    proposal ``size`` times; running it on rank 0 alone would leave the followers without
+    the draft KV a disaggregated decode rank needs."""
+    dcfg = config.draft_model_config() if config.with_draft else None
+    return (TpModel(config.model_config(), group, device),
+            TpModel(dcfg, group, device) if dcfg is not None else None)
+
+
+def check_draft_split(config: ServeConfig, role: str) -> None:
+    """Refuse a disaggregated worker whose draft checkpoint's KV cannot be split by the
+    transport's head mapping: a draft with narrower KV rows than the target keeps each
+    rank's draft heads in the first columns of that rank's rows, which are other columns
+    in a group of another size.
+
+    Raises:
+        ValueError: ``role`` is prefill or decode, the draft's KV rows are narrower than
+            the target's, and ``prefill_tp != decode_tp``.
+    """
+    draft = config.draft_model_config() if config.with_draft else None
+    if role not in ("prefill", "decode") or draft is None or \
+            config.prefill_tp == config.decode_tp:
+        return
+    target = config.model_config()
+    if draft.kv_size < target.kv_size:
+        raise ValueError(
+            f"draft checkpoint {config.draft_model_path}: its KV rows ({draft.kv_size} "
+            f"values) are narrower than the target's ({target.kv_size}), so prefill_tp="
+            f"{config.prefill_tp} and decode_tp={config.decode_tp} must be equal (or use "
+            "a draft as wide as the target, the built-in draft layers, or n-gram)")
 
 
 @dataclass(frozen=True)
@@ -215,13 +255,13 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
     try:
         setup = json.loads(group.broadcast_bytes(TAG_CONFIG, None))
         config = ServeConfig.from_dict(setup["config"])
-        model = TpModel(config.model_config(), group, device)
+        model, draft = _models(config, group, device)
         node = f"{name}/tp{spec.rank}"
         cache = KvCache(setup["num_pages"], config.page_size, layout=_layout(config, model),
                         device=device, log_path=freelog_path(log_dir, name, spec.rank),
                         node=node, max_rows=setup["max_rows"],
                         shared_memory=setup.get("shared_memory", False))
-        runner = ModelRunner(model, cache)
+        runner = ModelRunner(model, cache, draft)
         transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
                              kv_advertise, group)
         counting = RankMetrics(setup.get("role", "colocated"), cache, transfer)

@@ -55,7 +55,7 @@ from common.node.keys import Keys
 from common.node.link import ControlLink, Link, wait_any
 from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp_metrics import rank_stats
-from common.node.tp_worker import TpSpec, leader_cache, role_tp
+from common.node.tp_worker import TpSpec, check_draft_split, leader_cache, role_tp
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
@@ -170,6 +170,7 @@ class WorkerBase(ABC):
         ``shared_memory`` puts a CPU pool in named shared memory (peers on this host copy
         into it directly); ignored for device pools."""
         cfg = self.config
+        check_draft_split(cfg, self.role)
         if self.tp is not None or role_tp(cfg, self.role) > 1:
             return self._make_tp_cache(num_pages, shared_memory)
         model = Model(cfg.model_config(), device=self.device)
