@@ -12,7 +12,7 @@ import torch
 from common.host import CopyEngine
 from common.kv import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
 from common.kv.copy_threads import _helpers
-from common.kv.page_copy import SPLIT_ABOVE_BYTES, _share
+from common.kv.page_copy import SPLIT_ABOVE_BYTES, _cut_runs, _guided_cuts
 
 
 def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):
@@ -69,12 +69,16 @@ def test_page_ids_outside_either_pool_are_refused_before_any_copy(bad):
     check_pages(np.array([0, 15]), 16)
 
 
-def test_runs_are_shared_out_by_whole_pages_in_order():
+def test_shares_shrink_as_they_are_taken_and_cut_runs_by_whole_pages_in_order():
+    # 2 threads: each share about a quarter of what is left, at least 2 pages
+    assert _guided_cuts(64, 2, 2) == [0, 16, 28, 37, 43, 48, 52, 55, 57, 59, 61, 63, 64]
+    assert _guided_cuts(4, 2, 1) == [0, 1, 2, 3, 4]    # an 8 MiB frame of 2 MiB pages
+    assert _guided_cuts(5, 2, 8) == [0, 5]             # never below the smallest share
     runs = [(3, 7, 3), (9, 2, 1), (12, 20, 5)]                   # 9 pages
-    assert _share(runs, 2) == [[(3, 7, 3), (9, 2, 1), (12, 20, 1)], [(13, 21, 4)]]
-    assert _share(runs, 3) == [[(3, 7, 3)], [(9, 2, 1), (12, 20, 2)], [(14, 22, 3)]]
-    assert _share([(5, 5, 4)], 4) == [[(5, 5, 1)], [(6, 6, 1)], [(7, 7, 1)], [(8, 8, 1)]]
-    assert _share(runs, 1) == [runs]
+    assert _cut_runs(runs, [0, 4, 7, 9]) == [[(3, 7, 3), (9, 2, 1)], [(12, 20, 3)],
+                                             [(15, 23, 2)]]
+    assert _cut_runs(runs, [0, 2, 9]) == [[(3, 7, 2)], [(5, 9, 1), (9, 2, 1), (12, 20, 5)]]
+    assert _cut_runs(runs, [0, 9]) == [runs]
 
 
 @pytest.fixture
@@ -139,13 +143,53 @@ class RecordingEngine(CopyEngine):
     def __init__(self):
         self.ran: list[tuple[int, str]] = []
         self.gate, self.gate_pages = threading.Event(), -1
+        self.at_gate = threading.Event()
         super().__init__("cpu")
 
     def _copy(self, src, src_pages, dst, dst_pages):
         if int(src_pages[0]) == self.gate_pages:
+            self.at_gate.set()
             self.gate.wait(5)
         self.ran.append((int(src_pages[0]), threading.current_thread().name))
         super()._copy(src, src_pages, dst, dst_pages)
+
+
+def test_a_waiter_copies_a_share_of_the_running_copy_in_a_busy_helpers_place(
+        three_copy_threads, monkeypatch):
+    """The engine's thread runs the copy and both helpers are held by other work: the
+    waiter takes a helper's queued share and copies it in its own thread."""
+    import common.kv.page_copy as page_copy
+    copied_by: list[str] = []
+    real = page_copy._slice_part
+
+    def recording(src, dst, runs):
+        copied_by.append(threading.current_thread().name)
+        real(src, dst, runs)
+
+    monkeypatch.setattr(page_copy, "_slice_part", recording)
+    release = threading.Event()
+    held = [_helpers().submit(release.wait, 30) for _ in range(2)]
+    engine = RecordingEngine()
+    try:
+        n = 4 * SPLIT_ABOVE_BYTES // (256 << 10)           # 32 pages of 256 KiB
+        src = torch.from_numpy(np.random.default_rng(5).integers(
+            0, 255, (2 * n + 1, 256 << 10), np.uint8))
+        dst = torch.zeros_like(src)
+        engine.gate_pages = 1                             # the engine's thread holds it
+        pages = np.random.default_rng(6).permutation(np.arange(2, 2 * n + 1))[:n]
+        pages[0] = 1                                      # scattered: one slice per page
+        job = engine.submit(src, pages, dst, np.arange(n + 1, 2 * n + 1))
+        assert engine.at_gate.wait(5)
+        threading.Timer(0.1, engine.gate.set).start()     # once we wait (or before)
+        assert job.wait(30) and job.error is None
+        assert torch.equal(dst[n + 1:], src[pages]) and not dst[:n + 1].any()
+        me = threading.current_thread().name
+        assert engine.ran == [(1, "kv-offload-copy")]     # the engine's thread ran it...
+        assert me in copied_by and "kv-offload-copy" in copied_by  # ...and we joined
+        assert not any(t.done() for t in held)            # no helper was needed
+    finally:
+        release.set()
+        engine.close()
 
 
 def test_copies_run_in_order_and_a_waiter_never_jumps_a_running_copy():

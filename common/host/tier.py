@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from common.freelog import FreeLogWriter
-from common.kv import KvLayout, PageAllocator, PoolStats, copy_pages
+from common.kv import CopyShare, KvLayout, PageAllocator, PoolStats, copy_pages, offering
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,11 @@ class CopyJob:
     """One submitted copy; ``done()`` polls, ``wait(timeout)`` blocks, ``error`` says why.
 
     A waiter whose CPU copy has not started yet runs it in its own thread (when its
-    engine allows it) instead of sleeping while the engine's thread wakes up for it.
+    engine allows it) instead of sleeping while the engine's thread wakes up for it; one
+    whose copy the engine's thread already runs joins it (``common.kv.CopyShare.join``),
+    copying the share of a helper thread that has not started yet, as the calling thread
+    of an OpenMP team does its own share. Either way the copy runs on at most
+    ``copy_threads()`` threads.
     """
 
     def __init__(self, engine: CopyEngine | None = None) -> None:
@@ -144,11 +148,21 @@ class CopyJob:
         self._event = threading.Event()
         self._cuda_event: torch.cuda.Event | None = None
         self._engine = engine
+        self._shares: list[CopyShare] = []   # shared-out parts of the running copy
+        self._cv = threading.Condition()
+
+    def offer(self, share: CopyShare) -> None:
+        """For engines: part of this job's copy is being shared out; a waiter may join."""
+        with self._cv:
+            self._shares.append(share)
+            self._cv.notify_all()
 
     def set_done(self, error: BaseException | None = None) -> None:
         """For engines: the copy finished (with ``error`` when it failed)."""
         self.error = error
-        self._event.set()
+        with self._cv:
+            self._event.set()
+            self._cv.notify_all()
 
     def done(self) -> bool:
         if self._cuda_event is not None:
@@ -159,12 +173,16 @@ class CopyJob:
         """Block until the copy finished or ``timeout`` seconds passed; True when done.
 
         A zero timeout only polls. Otherwise, when the job is next and its engine idle,
-        this call runs the copy itself, to its end; the timeout bounds waiting for a copy
-        that another thread runs."""
+        this call runs the copy itself, to its end; when the engine's thread runs it, this
+        call copies a helper's share that has not started; the timeout bounds waiting for
+        copies that other threads run."""
         if self._cuda_event is None:
             if self._engine is not None and not self._event.is_set() and (
                     timeout is None or timeout > 0):
+                deadline = None if timeout is None else time.monotonic() + timeout
                 self._engine.run_if_next(self)
+                self._join(deadline)
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             return self._event.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._cuda_event.query():  # Event.synchronize() has no timeout
@@ -172,6 +190,22 @@ class CopyJob:
                 return False
             time.sleep(50e-6)
         return True
+
+    def _join(self, deadline: float | None) -> None:
+        """Join each share of the copy as it is offered, until the copy is done."""
+        joined = 0
+        while True:
+            with self._cv:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._cv.wait_for(lambda n=joined: self._event.is_set() or len(self._shares) > n,
+                                  left)
+                if self._event.is_set() or len(self._shares) <= joined:
+                    return
+                share = self._shares[joined]
+            joined += 1
+            share.join()
 
 
 class CopyEngine:
@@ -257,7 +291,8 @@ class CopyEngine:
     def _execute(self, item: tuple) -> None:
         job, src, src_pages, dst, dst_pages = item
         try:
-            self._copy(src, src_pages, dst, dst_pages)
+            with offering(job.offer):  # a waiter may copy a share of it
+                self._copy(src, src_pages, dst, dst_pages)
         except BaseException as exc:  # reported to the job's owner, never lost
             job.set_done(exc)
         else:

@@ -2,7 +2,7 @@
 
 from common.kv.allocator import PageAllocator
 from common.kv.cache import KvCache
-from common.kv.copy_threads import copy_threads, set_copy_threads
+from common.kv.copy_threads import CopyShare, copy_threads, offering, set_copy_threads
 from common.kv.errors import OutOfPages, RangeError
 from common.kv.layout import KvLayout
 from common.kv.page_copy import check_pages, copy_pages, page_runs
@@ -12,7 +12,7 @@ from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
 from common.kv.shared_tensor import SegmentError, SharedTensor, valid_segment_name
 
-__all__ = ["PAGE_STATES", "FreeReason", "KvCache", "KvLayout", "KvRecord", "OutOfPages",
-           "PageAllocator", "PoolStats", "RangeError", "SegmentError", "SharedTensor",
-           "ceil_align", "ceil_div", "check_pages", "copy_pages", "copy_threads",
-           "page_runs", "set_copy_threads", "valid_segment_name"]
+__all__ = ["PAGE_STATES", "CopyShare", "FreeReason", "KvCache", "KvLayout", "KvRecord",
+           "OutOfPages", "PageAllocator", "PoolStats", "RangeError", "SegmentError",
+           "SharedTensor", "ceil_align", "ceil_div", "check_pages", "copy_pages",
+           "copy_threads", "offering", "page_runs", "set_copy_threads", "valid_segment_name"]

@@ -4,21 +4,28 @@ CPU copy is shared over, and the small pool that runs the shares.
 A copy is cut into pieces that the caller and up to ``copy_threads() - 1`` helpers take
 in turn; a helper that has not started when the caller runs out of pieces is taken back,
 so no copy ever waits for a thread the machine has not scheduled yet.
+
+A thread that only waits for a copy another thread runs (the host tier's ``CopyJob.wait``)
+may join it (``offering``): it takes a helper's place whose task has not started, so the
+copy never runs on more than ``copy_threads()`` threads, and a waiter that is already
+awake copies instead of sleeping while a helper thread is woken for the same share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 MAX_COPY_THREADS = 4  # memory bandwidth, not cores, bounds a copy beyond a few threads
 
 _threads = min(MAX_COPY_THREADS, len(os.sched_getaffinity(0)))
 _pool: _Helpers | None = None
 _pool_lock = threading.Lock()
+_offer = threading.local()   # .hook: called with each Share this thread starts
 
 
 class _Task:
@@ -51,6 +58,15 @@ class _Task:
         with self._lock:
             self._state = "done"
         self._done.set()
+
+    def run(self) -> None:
+        """Run the task here (after a successful ``start``); an error is kept for the
+        task's owner, never raised in the thread that ran it."""
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as exc:  # handed to the caller, never lost
+            self.error = exc
+        self.finish()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -92,13 +108,8 @@ class _Helpers:
 
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
-            if not task.start():
-                continue       # its caller did it already
-            try:
-                task.value = task.fn(*task.args)
-            except BaseException as exc:  # handed to the caller, never lost
-                task.error = exc
-            task.finish()
+            if task.start():   # else its caller (or a joining waiter) did it already
+                task.run()
 
 
 def copy_threads() -> int:
@@ -139,27 +150,61 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+class CopyShare:
+    """One copy in progress: its pieces, taken in turn by the thread that started it, its
+    helpers and any thread that ``join``s it."""
+
+    def __init__(self, pieces: list, copy: Callable[[object], None]):
+        self.pieces, self.copy = pieces, copy
+        self._taken = itertools.count()  # next() on a count is atomic under the GIL
+        self.tasks: list[_Task] = []
+
+    def work(self) -> None:
+        while (i := next(self._taken)) < len(self.pieces):
+            self.copy(self.pieces[i])
+
+    def join(self) -> bool:
+        """Take the place of a helper that has not started (its task runs here, and the
+        copy's owner waits for it as for the helper); False when every helper has started
+        or the copy ended (nothing is copied here then)."""
+        for task in self.tasks:
+            if task.start():
+                task.run()
+                return True
+        return False
+
+
+@contextlib.contextmanager
+def offering(hook: Callable[[CopyShare], None]) -> Iterator[None]:
+    """While the block runs, every copy this thread shares out over helpers is first
+    handed to ``hook`` (which must not block), so that a waiting thread may ``join`` it."""
+    before = getattr(_offer, "hook", None)
+    _offer.hook = hook
+    try:
+        yield
+    finally:
+        _offer.hook = before
+
+
 def run_pieces(pieces: list, copy: Callable[[object], None]) -> None:
-    """``copy`` every piece: this thread and up to ``copy_threads() - 1`` helpers take the
-    next piece until none is left. Returns once every piece is copied and no helper
-    still writes; re-raises the first error then."""
+    """``copy`` every piece: this thread and up to ``copy_threads() - 1`` helpers (or
+    threads that joined in their place) take the next piece until none is left. Returns
+    once every piece is copied and nothing still writes; re-raises the first error then."""
     if len(pieces) < 2:
         for piece in pieces:
             copy(piece)
         return
-    taken = itertools.count()  # next() on a count is atomic under the GIL
-
-    def work() -> None:
-        while (i := next(taken)) < len(pieces):
-            copy(pieces[i])
-
+    share = CopyShare(pieces, copy)
     pool = _helpers()
-    tasks = [pool.submit(work) for _ in range(min(_threads, len(pieces)) - 1)]
+    share.tasks = [pool.submit(share.work) for _ in range(min(_threads, len(pieces)) - 1)]
+    hook = getattr(_offer, "hook", None)
+    if hook is not None:
+        hook(share)
     try:
-        work()
+        share.work()
     finally:
         # a helper that has not started finds nothing left: take its task back
-        running = [t for t in tasks if not t.cancel()]
+        running = [t for t in share.tasks if not t.cancel()]
         for t in running:
             t.wait()
     for t in running:

@@ -40,6 +40,9 @@ GATHER_BELOW_BYTES = 32 << 10
 # A CPU copy of at least this many bytes is shared out over ``copy_threads()`` threads;
 # below it, handing work to another thread (tens of microseconds) costs more than it saves.
 SPLIT_ABOVE_BYTES = 2 << 20
+# The smallest share of a split copy: below it, taking a share (a few microseconds of
+# Python under the GIL) costs more than the memcpy it hands out.
+MIN_SHARE_BYTES = 1 << 20
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
@@ -165,20 +168,19 @@ def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
     """Copy byte-row pages ``dst[dst_pages] = src[src_pages]`` (as ``runs``, or gathered
     when ``gather``), shared out over ``copy_threads()`` threads by whole pages.
 
-    One contiguous share per thread, taken in turn: a helper that has not started when the
-    caller finishes its share leaves the next one to the caller (on a busy machine a
-    thread not scheduled yet holds nothing up). Finer pieces (1-16 MiB, taken in turn)
-    measured slower than halves on the 2-core box: 3.0-3.5 against 3.8-4.2 GB/s."""
+    Shares shrink as they are taken (guided, like OpenMP's ``schedule(guided)``): each is
+    about a ``2 * copy_threads()``-th of what is left, at least ``MIN_SHARE_BYTES``, and
+    threads take the next as they come free. A helper that the machine schedules late
+    then only takes fewer shares, where with one half each the copy waited for its whole
+    half after the caller's was done; one not started when nothing is left is taken back
+    (a busy machine's unscheduled thread holds nothing up)."""
     total = len(src_pages) * src.shape[1]
     if copy_threads() < 2 or total < SPLIT_ABOVE_BYTES:
         pieces = [(0, len(src_pages))] if gather else [runs]
     else:
-        num = min(len(src_pages), copy_threads())
-        if gather:
-            cuts = np.linspace(0, len(src_pages), num + 1).astype(np.int64)
-            pieces = list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
-        else:
-            pieces = _share(runs, num)
+        cuts = _guided_cuts(len(src_pages), copy_threads(),
+                            max(1, -(-MIN_SHARE_BYTES // max(1, src.shape[1]))))
+        pieces = list(zip(cuts[:-1], cuts[1:])) if gather else _cut_runs(runs, cuts)
     if gather:
         run_pieces(pieces, lambda ab: _gather_part(src, src_pages[ab[0]:ab[1]], dst,
                                                     dst_pages[ab[0]:ab[1]]))
@@ -196,18 +198,30 @@ def _slice_part(src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int
         dst[d:d + n] = src[s:s + n]
 
 
-def _share(runs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """``runs`` cut into ``parts`` lists of (nearly) equal page counts, in order."""
-    total = sum(n for _, _, n in runs)
-    share = -(-total // parts)
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for s, d, n in runs:
-        while n:
-            if not room:
-                out.append([])
-                room = share
+def _guided_cuts(num_pages: int, threads: int, min_pages: int) -> list[int]:
+    """Page offsets ``[0, ..., num_pages]`` of guided shares: each about
+    ``left / (2 * threads)`` pages, at least ``min_pages``, largest first."""
+    cuts, at = [0], 0
+    while at < num_pages:
+        at += min(num_pages - at, max(min_pages, (num_pages - at) // (2 * threads)))
+        cuts.append(at)
+    return cuts
+
+
+def _cut_runs(runs: list[tuple[int, int, int]],
+              cuts: list[int]) -> list[list[tuple[int, int, int]]]:
+    """``runs`` cut at the page offsets ``cuts`` (``[0, ..., total]``): one list of runs
+    per share, in order."""
+    out: list[list[tuple[int, int, int]]] = []
+    it = iter(runs)
+    s, d, n = next(it, (0, 0, 0))
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        part, room = [], hi - lo
+        while room:
+            if not n:
+                s, d, n = next(it)
             k = min(n, room)
-            out[-1].append((s, d, k))
+            part.append((s, d, k))
             s, d, n, room = s + k, d + k, n - k, room - k
+        out.append(part)
     return out
