@@ -1,10 +1,14 @@
 """``pdkv bench frontdoor``: what the HTTP front door adds, measured in one run.
 
 One 1P1D deployment serves the same seeded workload in alternating passes, straight
-into the router (``deploy.driver``, as ``pdkv run`` sends it) and through ``pdkv
-frontend`` over streaming HTTP (``benchmarks.http_client``, as any OpenAI client sends
-it); the first pass of each kind is a warm-up. Per repeat it compares TTFT p50 and
-output tokens/s; the figures quoted are medians over repeats.
+into the router (``deploy.driver``, as ``pdkv run`` sends it) and through the HTTP front
+door over streaming HTTP (``benchmarks.http_client``, as any OpenAI client sends it);
+the first pass of each kind is a warm-up. Per repeat it compares TTFT p50 and output
+tokens/s; the figures quoted are medians over repeats.
+
+The deployment is ``pdkv serve`` (``--shape serve``, the default: the router runs in the
+front door's event loop, and the router path is a client of its socket) or a router
+process with ``pdkv frontend`` in front of it (``--shape frontend``).
 
 Goals (the issue's): the HTTP path adds at most 1 ms to TTFT p50 and costs at most 5% of
 tokens/s at the default load. Exit status 1 on a miss unless ``--report-only``.
@@ -25,12 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 from benchmarks.http_client import Target, run, summarize_records
 from benchmarks.serve import records_of
+from common.config import ServeConfig
+from common.node import Keys, create_keys
+from deploy.client import Client
 from deploy.driver import drive
 from deploy.http.process import ServerProcess, frontend_process
 from deploy.launcher import Cluster
@@ -48,7 +59,74 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pass(kind: str, cluster: Cluster, fe: ServerProcess, requests, args, n: int) -> dict:
+class Served:
+    """``pdkv serve`` (1P1D) as a child process, with a client of its router's socket."""
+
+    def __init__(self, cfg: ServeConfig, threads: int) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="pdkv-bench-frontdoor-"))
+        self.keys_dir = self.tmp / "keys"
+        create_keys(self.keys_dir)
+        (self.tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
+        self.fe = ServerProcess(["serve", "--mode", "disagg", "--config",
+                                 str(self.tmp / "config.json"), "--threads", str(threads),
+                                 "--auth-keys", str(self.keys_dir), "--log-dir",
+                                 str(self.tmp / "logs"), "--host", "127.0.0.1", "--port", "0"],
+                                self.tmp / "serve.log")
+        self.client: Client | None = None
+
+    def start(self) -> Served:
+        self.fe.start(300.0)
+        m = re.search(r"router .* at (\S+)$", self.fe.ready_line)
+        if m is None:
+            self.stop()
+            raise RuntimeError(f"pdkv serve named no router: {self.fe.ready_line!r}")
+        self.client = Client(m.group(1), "bench", Keys(self.keys_dir), identity="client")
+        return self
+
+    def check(self) -> None:
+        if self.fe.proc is not None and self.fe.proc.poll() is not None:
+            raise RuntimeError(f"pdkv serve exited {self.fe.proc.returncode}; log "
+                               f"{self.fe.log}:\n{self.fe.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        rc = self.fe.stop()
+        if rc != 0:
+            raise RuntimeError(f"pdkv serve exited {rc} (free logs not clean?); log "
+                               f"{self.fe.log}:\n{self.fe.log.read_text()[-2000:]}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Fronted:
+    """A router process with its workers (``Cluster``) and ``pdkv frontend`` before it."""
+
+    def __init__(self, cfg: ServeConfig, threads: int) -> None:
+        self.cluster = Cluster(cfg, "disagg", 1, 1, threads=threads)
+        self.fe: ServerProcess | None = None
+
+    def start(self) -> Fronted:
+        self.cluster.start()
+        self.client, self.check = self.cluster.client, self.cluster.check
+        self.fe = frontend_process(self.cluster.router_addr, "--auth-keys",
+                                   str(self.cluster.keys_dir))
+        try:
+            self.fe.start()
+        except BaseException:
+            self.cluster.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.fe is not None:
+            self.fe.stop()
+        self.cluster.stop()
+        self.cluster.check_exit_codes()
+        self.cluster.cleanup()
+
+
+def _pass(kind: str, cluster, fe: ServerProcess, requests, args, n: int) -> dict:
     cpu0 = cpu_s(fe.pid)
     if kind == "router":
         # rids of one pass each: a rid just served is still closing on the KV peers
@@ -57,7 +135,8 @@ def _pass(kind: str, cluster: Cluster, fe: ServerProcess, requests, args, n: int
     else:
         recs = run(Target(fe.url, ignore_eos=True), requests)  # as the router pass
     out = summarize_records(recs, args.ttft_target, args.tpot_target)
-    # the front door's own CPU while it served (its idle status polls in the router pass)
+    # the front door process's CPU while it served: its idle status polls in the router
+    # pass; with --shape serve the router's work too (it runs in that process)
     out["frontdoor_cpu_ms_per_request"] = (cpu_s(fe.pid) - cpu0) * 1e3 / len(requests)
     if out["ok"] != out["requests"]:
         raise RuntimeError(f"{kind} pass: {out['requests'] - out['ok']} requests failed: "
@@ -65,7 +144,7 @@ def _pass(kind: str, cluster: Cluster, fe: ServerProcess, requests, args, n: int
     return out
 
 
-def paired_ttft(cluster: Cluster, fe: ServerProcess, requests, n: int) -> list[float]:
+def paired_ttft(cluster, fe: ServerProcess, requests, n: int) -> list[float]:
     """Each prompt alone, straight into the router and through HTTP (order alternating):
     the HTTP path's TTFT minus the router path's, in ms, per prompt."""
     added = []
@@ -93,26 +172,22 @@ def main(args: argparse.Namespace) -> int:
     if args.offload is None:
         cfg = cfg.with_overrides(offload=False, overcommit=False)
     requests = make_workload(workload_from_args(args), cfg.model_config().vocab_size)
-    cluster = Cluster(cfg, "disagg", 1, 1, threads=args.threads).start()
+    dep = (Served if args.shape == "serve" else Fronted)(cfg, args.threads).start()
     runs: dict[str, list[dict]] = {"router": [], "http": []}
     paired: list[float] = []
     try:
-        fe = frontend_process(cluster.router_addr, "--auth-keys", str(cluster.keys_dir))
-        with fe:
-            for rep in range(args.repeats + 1):
-                order = ("router", "http") if rep % 2 else ("http", "router")
-                for kind in order:
-                    out = _pass(kind, cluster, fe, requests, args, rep)
-                    if rep:  # repeat 0 warms both paths up
-                        runs[kind].append(out)
-                if rep:
-                    paired.append(statistics.median(paired_ttft(cluster, fe, requests,
-                                                                rep)))
-                print(f"  repeat {rep}/{args.repeats} done{' (warm-up)' if not rep else ''}",
-                      file=sys.stderr)
+        for rep in range(args.repeats + 1):
+            order = ("router", "http") if rep % 2 else ("http", "router")
+            for kind in order:
+                out = _pass(kind, dep, dep.fe, requests, args, rep)
+                if rep:  # repeat 0 warms both paths up
+                    runs[kind].append(out)
+            if rep:
+                paired.append(statistics.median(paired_ttft(dep, dep.fe, requests, rep)))
+            print(f"  repeat {rep}/{args.repeats} done{' (warm-up)' if not rep else ''}",
+                  file=sys.stderr)
     finally:
-        cluster.stop()
-    cluster.cleanup()
+        dep.stop()
     return _report(args, runs, paired)
 
 
@@ -127,7 +202,8 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]], paired: list[
                ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tokens_per_s",
                 "frontdoor_cpu_ms_per_request")}
            for k, v in runs.items()}
-    out = {"repeats": args.repeats, "requests": args.requests, "rate": args.rate,
+    out = {"shape": args.shape, "repeats": args.repeats, "requests": args.requests,
+           "rate": args.rate,
            "paths": med, "ttft_p50_added_ms": statistics.median(added),
            "ttft_p50_added_ms_each": added,
            "ttft_p50_added_passes_ms": statistics.median(passes),
@@ -150,13 +226,15 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]], paired: list[
 
 def _table(out: dict) -> str:
     p = out["paths"]
-    lines = [f"pdkv bench frontdoor: 1P1D, {out['requests']} requests at {out['rate']}/s, "
-             f"medians of {out['repeats']} repeats (alternating order)",
+    where = ("pdkv serve, the router in its loop" if out["shape"] == "serve" else
+             "pdkv frontend before a router process")
+    lines = [f"pdkv bench frontdoor: 1P1D ({where}), {out['requests']} requests at "
+             f"{out['rate']}/s, medians of {out['repeats']} repeats (alternating order)",
              f"{'':24s} {'router':>10s} {'HTTP':>10s}"]
     for label, key in (("TTFT p50 (ms)", "ttft_p50_ms"), ("TTFT p99 (ms)", "ttft_p99_ms"),
                        ("TPOT p50 (ms)", "tpot_p50_ms"), ("output tokens/s", "tokens_per_s")):
         lines.append(f"{label:24s} {p['router'][key]:>10.2f} {p['http'][key]:>10.2f}")
-    lines.append(f"{'front door CPU/request (ms)':24s} "
+    lines.append(f"{'front door CPU/req (ms)':24s} "
                  f"{p['router']['frontdoor_cpu_ms_per_request']:>10.2f} "
                  f"{p['http']['frontdoor_cpu_ms_per_request']:>10.2f}")
     each = ", ".join(f"{x:+.2f}" for x in out["ttft_p50_added_ms_each"])

@@ -179,6 +179,10 @@ def _add_serve(sub) -> None:
                "2 a process died, did not start, or the port is taken.")
     add_deployment_flags(p)
     add_http_flags(p)
+    p.add_argument("--router-process", action="store_true",
+                   help="run the router in a process of its own, the front door connecting "
+                        "to it over a socket (default: the router runs in the front door's "
+                        "event loop, which saves a socket hop each way; docs/http.md)")
     g = p.add_argument_group("authentication (docs/security.md)")
     g.add_argument("--auth-keys", metavar="DIR", default=os.environ.get("PDKV_AUTH_KEYS"),
                    help="use this key directory instead of the fresh keys made for this "

@@ -204,9 +204,11 @@ def _add_bench_frontdoor(bench) -> None:
     p = bench.add_parser(
         "frontdoor", help="the HTTP front door's cost: HTTP vs straight into the router",
         description="One 1P1D deployment serves the same workload in alternating passes "
-                    "straight into the router and through pdkv frontend over streaming "
-                    "HTTP; reports TTFT p50 added and the tokens/s ratio (goals: <= 1 ms, "
-                    ">= 0.95). The host tier is off unless --offload is given (a pass "
+                    "straight into the router and through the HTTP front door over "
+                    "streaming HTTP; reports TTFT p50 added and the tokens/s ratio (goals: "
+                    "<= 1 ms, >= 0.95). The front door is pdkv serve's (the router in its "
+                    "event loop) or, with --shape frontend, pdkv frontend in front of a "
+                    "router process. The host tier is off unless --offload is given (a pass "
                     "would reuse the previous pass's prefixes).",
         epilog="exit status: 0 goals met; 1 a goal missed (unless --report-only) or a "
                "request failed.")
@@ -220,6 +222,9 @@ def _add_bench_frontdoor(bench) -> None:
     p.add_argument("--json", action="store_true", help="print results as one JSON object")
     p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--shape", choices=["serve", "frontend"], default="serve",
+                   help="serve: pdkv serve, the router in the front door's loop (default); "
+                        "frontend: pdkv frontend in front of a router process")
     add_workload_flags(p, None, "48, 12 with --quick")
     add_config_flags(p)
     p.set_defaults(func=_run_bench_frontdoor)

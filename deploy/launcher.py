@@ -96,6 +96,9 @@ class Cluster:
             baseline that ``pdkv bench`` measures authentication against.
         metrics_port: the router serves the deployment's metrics over HTTP on this port
             of ``metrics_host`` (0: a free port; ``metrics_url`` says which); None: not.
+        router_process: False: the caller runs the router at ``router_addr`` in its own
+            process (``pdkv serve``: ``deploy.http.hosted``); ``start`` then only starts
+            the workers, and the caller waits for them and shuts them down.
 
     At ``stop`` the deployment's final metrics are written to ``<log_dir>/metrics.prom``
     (Prometheus text format), next to the free logs they agree with.
@@ -105,7 +108,8 @@ class Cluster:
                  num_decode: int = 1, devices: list[str] | None = None,
                  log_dir: str | None = None, threads: int = 1,
                  keys_dir: str | None = None, secure: bool = True,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 router_process: bool = True) -> None:
         if mode not in ("disagg", "colocated"):
             raise ValueError(f"mode={mode!r}; allowed: disagg, colocated")
         if num_decode < 1 or (mode == "disagg" and num_prefill < 1):
@@ -127,6 +131,7 @@ class Cluster:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.metrics_url = ""
         self.router_addr = self._address("router")
+        self.router_process = router_process
         self.procs = self._plan(num_prefill, num_decode)
         self.client: Client | None = None
         self.final_stats: dict = {}
@@ -147,7 +152,7 @@ class Cluster:
             "--metrics-port", str(self.metrics_port), "--metrics-host", self.metrics_host]
         procs = [Proc("router", "router", [*base, "router", "--bind", self.router_addr,
                                            "--config-json", cfg_json, *metrics, *auth],
-                      self.log_dir / "router.log")]
+                      self.log_dir / "router.log")] if self.router_process else []
         roles = ([("prefill", f"prefill{i}") for i in range(num_prefill)]
                  + [("decode", f"decode{i}") for i in range(num_decode)]
                  if self.mode == "disagg" else
@@ -190,6 +195,8 @@ class Cluster:
         try:
             for p in self.procs:
                 self._spawn(p)
+            if not self.router_process:
+                return self  # the caller's router waits for them (``worker_names``)
             keys = Keys(self.keys_dir) if self.keys_dir else None
             self.client = Client(self.router_addr, "launcher", keys, identity="operator")
             self._wait_ready(progress=progress)
@@ -225,7 +232,7 @@ class Cluster:
                     progress: Callable[[dict], None] | None = None) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.config.ready_timeout_s
-        want = names or {p.name for p in self.procs if p.role not in NOT_REGISTERED}
+        want = names or self.worker_names()
         while time.monotonic() < deadline:
             self.check()
             try:
@@ -244,6 +251,10 @@ class Cluster:
         raise TimeoutError(f"workers not ready within {self.config.ready_timeout_s}s "
                            f"(see logs in {self.log_dir})")
 
+    def worker_names(self) -> set[str]:
+        """The workers that register with the router (followers of a TP group do not)."""
+        return {p.name for p in self.procs if p.role not in NOT_REGISTERED}
+
     def check(self) -> None:
         """Raise ``WorkerDied`` if any process has exited."""
         for p in self.procs:
@@ -258,13 +269,15 @@ class Cluster:
 
     def stop(self, timeout_s: float = 20.0) -> dict:
         """Shut down cleanly (stats per worker), then make sure every process is gone."""
+        alive = all(p.popen and p.popen.poll() is None for p in self.procs)
+        if self.client is None and not alive:
+            self._terminate_all(signal.SIGTERM)  # one died: nothing will stop the rest
         if self.client is not None:
-            alive = all(p.popen and p.popen.poll() is None for p in self.procs)
             if alive:
                 try:
                     bye = self.client.shutdown_bye(timeout_s)
                     self.final_stats = bye.stats
-                    self._write_metrics(bye.metrics)
+                    self.write_metrics(bye.metrics)
                 except TimeoutError:
                     logger.warning("launcher: router did not confirm shutdown")
             else:
@@ -275,7 +288,8 @@ class Cluster:
         shutil.rmtree(self.sock_dir, ignore_errors=True)
         return self.final_stats
 
-    def _write_metrics(self, data: bytes) -> None:
+    def write_metrics(self, data: bytes) -> None:
+        """The deployment's final metrics to ``<log_dir>/metrics.prom``."""
         if not data:
             return
         from common.metrics import render_snapshot

@@ -143,17 +143,26 @@ class Router:
                            "any local process may act as any worker or client",
                            self.address)
         try:
-            while not self._shutdown_complete():
-                item = self.hub.recv(_ENCODING_POLL_S if len(self.encoder) else 0.05)
+            while not self.shutdown_complete():
+                item = self.hub.recv(self.idle_wait_s())
                 while item is not None:
                     self.dispatch(*item)
                     item = self.hub.recv(0)
-                self._tick(time.monotonic())
+                self.tick(time.monotonic())
         finally:
-            self.encoder.close()
-            self.metrics.close()
-            self.hub.close(_FAREWELL_S if self.shutdown_by is not None else 0.0)
-            self.ctx.term()
+            self.close()
+
+    def idle_wait_s(self) -> float:
+        """Longest wait for a message before the next ``tick`` (short while texts are
+        being encoded: a finished one is routed this soon)."""
+        return _ENCODING_POLL_S if len(self.encoder) else 0.05
+
+    def close(self) -> None:
+        """Stop the encoding threads and the metrics server, close the socket."""
+        self.encoder.close()
+        self.metrics.close()
+        self.hub.close(_FAREWELL_S if self.shutdown_by is not None else 0.0)
+        self.ctx.term()
 
     def dispatch(self, peer: bytes, msg: Message | Malformed, identity: str = "") -> None:
         """Handle one message from ``peer``, authenticated as ``identity`` ('' without
@@ -554,7 +563,8 @@ class Router:
             if w.name in (route.decode, route.prefill) and route.decode_done is None:
                 self._fail(route, "error", f"worker {w.name} lost: {why}")
 
-    def _tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
+        """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
         self._tick_encoded(now)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_s
@@ -574,7 +584,9 @@ class Router:
                     self.config.request_timeout_s:
                 self._fail(route, "timeout", f"no result in {self.config.request_timeout_s}s")
 
-    def _shutdown_complete(self) -> bool:
+    def shutdown_complete(self) -> bool:
+        """After a shutdown: True (and ``Bye`` sent to its sender) once every live
+        worker sent its final stats or the lease passed."""
         if self.shutdown_by is None:
             return False
         live = [w for w in self.workers.values() if not w.lost]

@@ -1,5 +1,6 @@
-"""The OpenAI API over real HTTP: a 1P1D deployment (real processes, float64) behind
-``pdkv frontend``, driven with raw HTTP (httpx) and with the official ``openai`` client.
+"""The OpenAI API over real HTTP: ``pdkv serve`` (a 1P1D deployment of real processes,
+float64, the router in the front door's loop), driven with raw HTTP (httpx) and with the
+official ``openai`` client; a second front door (``pdkv frontend``) shares its router.
 
 Greedy outputs must equal the single-process reference token by token, and the same
 prompts through ``pdkv run`` must give the same tokens as through HTTP.
@@ -8,6 +9,7 @@ prompts through ``pdkv run`` must give the same tokens as through HTTP.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,10 +19,18 @@ import openai
 import pytest
 
 from common.model import generate_greedy
+from common.node import create_keys
 from deploy.http.text import load_text_model
-from deploy.launcher import Cluster
 from deploy.workload import WorkloadSpec, make_workload
-from tests.http_helpers import CFG, GREEDY, KEY, assert_logs_clean, sse_events, start_frontend
+from tests.http_helpers import (
+    CFG,
+    GREEDY,
+    KEY,
+    assert_logs_clean,
+    sse_events,
+    start_frontend,
+    start_serve,
+)
 from tests.metrics_helpers import parse
 from tests.model_helpers import prompt
 
@@ -33,23 +43,23 @@ ids_only = pytest.mark.skipif(TEXT is not None, reason="the served model has a t
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """(cluster, url of a front door with --api-key); logs replayed clean at the end."""
+    """(router address, key directory, url of ``pdkv serve --api-key``); at the end it
+    stops on SIGTERM with exit 0 (clean shutdown, clean free logs), replayed here too."""
     tmp = tmp_path_factory.mktemp("http-api")
-    cluster = Cluster(CFG, "disagg", 1, 1, log_dir=str(tmp)).start()
-    proc, url = start_frontend(cluster.router_addr, tmp / "frontend.log", "--api-key", KEY,
-                                "--auth-keys", str(cluster.keys_dir))
+    create_keys(tmp / "keys")
+    proc, url = start_serve(tmp, "--api-key", KEY, "--auth-keys", str(tmp / "keys"))
+    router = re.search(r"router in this process at (\S+)$", proc.ready_line)
     try:
-        yield cluster, url
+        assert router is not None, proc.ready_line
+        yield router.group(1), tmp / "keys", url
     finally:
-        assert proc.stop() == 0
-        cluster.stop()
-        cluster.check_exit_codes()
+        assert proc.stop() == 0, (tmp / "serve.log").read_text()[-3000:]
         assert_logs_clean(tmp)
 
 
 @pytest.fixture
 def url(deployment) -> str:
-    return deployment[1]
+    return deployment[2]
 
 
 @pytest.fixture
@@ -298,9 +308,9 @@ def test_api_key_is_required(url, oai):
 def test_a_full_front_door_answers_429(deployment, tmp_path):
     """With room for one waiting request: A runs and fills the decode pool, B waits for
     the pool (no first token while A runs), C is refused with 429."""
-    cluster, _ = deployment
-    proc, url = start_frontend(cluster.router_addr, tmp_path / "fe.log", "--max-waiting", "1",
-                               "--auth-keys", str(cluster.keys_dir))
+    router, keys, _ = deployment   # a second front door, sharing serve's router
+    proc, url = start_frontend(router, tmp_path / "fe.log", "--max-waiting", "1",
+                               "--auth-keys", str(keys))
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
             a = {"prompt": prompt(300, seed=9), "max_tokens": 300, **GREEDY,

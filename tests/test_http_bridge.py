@@ -25,7 +25,7 @@ def _status(config: dict) -> StatusReport:
 def door():
     bridge = RouterBridge("ipc:///nonexistent/pdkv-router.sock")   # nothing is sent
     yield FrontDoor(bridge)
-    bridge._client.close()
+    bridge._port.close()
 
 
 def test_an_unchanged_config_keeps_its_tokenizer_and_limits(door, monkeypatch):

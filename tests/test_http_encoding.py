@@ -51,7 +51,7 @@ def door():
     assert real is not None, "the built-in model has a tokenizer"
     yield front, front.limits(view), GatedText(real)
     front.shutdown("test over")
-    bridge._client.close()
+    bridge._port.close()
 
 
 async def _until(event: threading.Event) -> None:

@@ -143,7 +143,7 @@ def test_done_goes_out_after_a_grace_period_without_the_prefills_report(router):
     rid = _submit(router, "a", [3] * 8, max_new_tokens=3)
     router.dispatch(b"d0", Done(rid, "length", n=3))
     route = router.routes.get(rid)
-    router._tick(route.t_grace + 0.01)
+    router.tick(route.t_grace + 0.01)
     assert router.hub.take(CLIENT, Done) == [Done("a", "length", n=3, prompt_tokens=8)]
 
 
@@ -195,7 +195,7 @@ def test_a_silent_worker_is_lost_and_its_requests_fail(router):
     now = router.workers["d0"].last_seen
     for name in ("p0", "d1"):
         router.workers[name].last_seen = now + CFG.lease_s
-    router._tick(now + CFG.lease_s + 0.5)
+    router.tick(now + CFG.lease_s + 0.5)
     assert router.workers["d0"].lost and not router.workers["p0"].lost
     (done,) = router.hub.take(CLIENT, Done)
     assert done.reason == "error" and "worker d0 lost" in done.error
@@ -221,18 +221,18 @@ def test_shutdown_answers_bye_with_every_workers_stats(router):
     router.dispatch(CLIENT, Shutdown())
     for name in ("p0", "d0", "d1"):
         assert router.hub.take(name.encode(), Shutdown) == [Shutdown()]
-        assert not router._shutdown_complete()
+        assert not router.shutdown_complete()
         router.dispatch(name.encode(), Stats(name, {"tokens": 5}))
-    assert router._shutdown_complete()
+    assert router.shutdown_complete()
     (bye,) = router.hub.take(CLIENT, Bye)
     assert bye.stats["d1"] == {"role": "decode", "tokens": 5}
 
 
 def test_pings_go_to_live_workers_every_heartbeat(router):
     _deployment(router)
-    router._tick(0.0)
+    router.tick(0.0)
     assert all(router.hub.take(p, Ping) == [Ping()] for p in (b"p0", b"d0", b"d1"))
-    router._tick(CFG.heartbeat_s / 2)
+    router.tick(CFG.heartbeat_s / 2)
     assert not any(router.hub.take(p, Ping) for p in (b"p0", b"d0", b"d1"))
 
 
@@ -361,7 +361,7 @@ def test_a_lost_worker_heard_again_is_told_so_and_rejoins_on_registering(router)
 def test_a_worker_building_its_model_has_the_startup_deadline_not_the_lease(router):
     router.dispatch(b"d0", Register("decode", "d0", 100))
     t = router.workers["d0"].last_seen
-    router._tick(t + CFG.lease_s * 3)                        # silent, but still building
+    router.tick(t + CFG.lease_s * 3)                        # silent, but still building
     assert not router.workers["d0"].lost
-    router._tick(t + CFG.ready_timeout_s + 1)
+    router.tick(t + CFG.ready_timeout_s + 1)
     assert router.workers["d0"].lost

@@ -1,18 +1,15 @@
 """The front door's one link to the router: submit, abort, stream events, status, metrics.
 
-This is the only module of ``deploy/http`` that speaks the router's control messages
-(``deploy.client.Client``); the rest sees ``Event`` values and ``RouterView``. It runs in
-the HTTP server's event loop, which alone reads and writes the client's DEALER socket
-(ZMQ sockets are not thread-safe): the loop watches the socket's file descriptor and
-drains every message when it signals. That descriptor only tells that the socket's state
-changed, and a send may consume the signal of messages that arrived meanwhile, so each
-send checks ``ZMQ_EVENTS`` and schedules a drain itself (the pattern of pyzmq's own
-event-loop integrations).
+This is the only module of ``deploy/http`` that speaks the router's control messages;
+the rest sees ``Event`` values and ``RouterView``. It runs in the HTTP server's event
+loop and reaches the router through a port (``deploy.http.ports``): a DEALER socket to a
+router in another process, or a call into a router in this same loop
+(``deploy.http.hosted``, ``pdkv serve``'s default).
 
 Deadlines: the router fails a request it cannot finish (worker lost, its own request
 timeout); the bridge asks for the router's status every ``status_interval_s`` and, when
 no answer came for ``router_timeout_s``, declares the router lost and ends every open
-request with an error. A send that cannot be queued within 0.2 s raises ``RouterDown``.
+request with an error. A send that cannot be queued raises ``RouterDown``.
 """
 
 from __future__ import annotations
@@ -22,10 +19,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import zmq
-
 from common import trace
+from common.codec import pack_ids
 from common.node import (
+    Abort,
     Done,
     Error,
     Keys,
@@ -34,16 +31,13 @@ from common.node import (
     MetricsSnapshot,
     Status,
     StatusReport,
+    Submit,
     Tokens,
 )
-from deploy.client import Client
+from deploy.http.ports import Port, RouterDown, ZmqPort
 
 logger = logging.getLogger(__name__)
-_SEND_TIMEOUT_MS = 200
-
-
-class RouterDown(RuntimeError):
-    """The router cannot be reached; the message says since when."""
+__all__ = ["Event", "RouterBridge", "RouterDown", "RouterView"]
 
 
 @dataclass
@@ -80,17 +74,19 @@ class RouterView:
 
 
 class RouterBridge:
-    """A client of the router inside an asyncio loop."""
+    """A client of the router inside an asyncio loop.
+
+    Args:
+        address: the router's address (a DEALER connects there unless ``port`` is given).
+        keys, identity: CURVE credentials of that connection (docs/security.md).
+        port: how to reach the router instead (``deploy.http.hosted.LocalPort``).
+    """
 
     def __init__(self, address: str, *, status_interval_s: float = 0.5,
                  router_timeout_s: float = 10.0, keys: Keys | None = None,
-                 identity: str = "client") -> None:
+                 identity: str = "client", port: Port | None = None) -> None:
         self.address = address
-        self._client = Client(address, "http", keys, identity)  # CURVE with keys
-        self._sock = self._client.link.sock
-        self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_scheduled = False
+        self._port: Port = port or ZmqPort(address, keys, identity)
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._abandoned: set[str] = set()
         self.view: RouterView | None = None
@@ -104,18 +100,16 @@ class RouterBridge:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Start the reader and the status loop in the running event loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._port.attach(asyncio.get_running_loop(), self._dispatch)
         self._tasks = [asyncio.create_task(self._watch(), name="bridge-status")]
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._loop is not None:
-            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        self._port.detach()
         self._fail_all("error", "front door shutting down")
-        self._client.close()
+        self._port.close()
 
     @property
     def router_lost(self) -> bool:
@@ -128,9 +122,9 @@ class RouterBridge:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._queues[rid] = queue
         try:
-            self._send(lambda: self._client.submit(rid, prompt, params))
+            self._port.send(Submit(rid, pack_ids(prompt) if prompt else b"", params))
         except RouterDown:
-            del self._queues[rid]
+            self._queues.pop(rid, None)
             raise
         return queue
 
@@ -140,7 +134,7 @@ class RouterBridge:
             return
         self._abandoned.add(rid)
         try:
-            self._send(lambda: self._client.abort(rid))
+            self._port.send(Abort(rid))
         except RouterDown as exc:
             logger.warning("http: abort of %s not sent: %s", rid, exc)
 
@@ -166,7 +160,7 @@ class RouterBridge:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         waiters = self._waiters[answer]
         waiters.append(fut)
-        self._send(lambda: self._client.send(question))
+        self._port.send(question)
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -177,27 +171,10 @@ class RouterBridge:
                 waiters.remove(fut)
 
     # -- internals -----------------------------------------------------------------------
-    def _send(self, send) -> None:
-        try:
-            send()
-        except zmq.Again:
-            raise RouterDown(f"router at {self.address} is not taking messages") from None
-        finally:
-            if (self._loop is not None and not self._drain_scheduled
-                    and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
-                self._drain_scheduled = True
-                self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        """Dispatch every message waiting on the socket."""
-        self._drain_scheduled = False
-        for msg in self._client.poll(0):
-            self._dispatch(msg)
-
     async def _watch(self) -> None:
         while True:
             try:
-                self._send(lambda: self._client.send(Status()))
+                self._port.send(Status())
             except RouterDown as exc:
                 logger.warning("http: %s", exc)
             await asyncio.sleep(self._status_interval_s)

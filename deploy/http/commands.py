@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
 import sys
 
 from common.node import Keys, KeysError
+from deploy.http.hosted import HostedRouter
 from deploy.http.server import bind, run_frontend
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,11 @@ def frontend_main(args: argparse.Namespace) -> int:
 
 def serve_main(args: argparse.Namespace) -> int:
     """``pdkv serve``: launch, serve HTTP until a signal, shut down, replay the free logs.
-    Exit status: 0 clean, 1 a free-log violation, 2 a process died or did not start."""
+    Exit status: 0 clean, 1 a free-log violation, 2 a process died or did not start.
+
+    The router runs in this process's event loop (``deploy.http.hosted``) unless
+    ``--router-process`` asks for its own process (then the front door connects to it
+    as ``pdkv frontend`` does)."""
     from deploy.launcher import Cluster, WorkerDied
     from deploy.run import config_from_args, replay_all
 
@@ -101,29 +107,49 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     cluster = Cluster(cfg, args.mode, args.prefill, args.decode, devices, args.log_dir,
-                      threads=args.threads, keys_dir=args.auth_keys)
+                      threads=args.threads, keys_dir=args.auth_keys,
+                      router_process=args.router_process)
     layout = (f"{args.prefill}P{args.decode}D" if args.mode == "disagg"
               else f"{args.decode} colocated")
     sigs = _Signals()
+    hosted = None
     try:
+        keys = Keys(cluster.keys_dir) if cluster.keys_dir else None
+        if not args.router_process:
+            hosted = HostedRouter(cluster.router_addr, cfg, keys)
         cluster.start()
+        if hosted is not None:
+            asyncio.run(hosted.wait_ready(cluster.worker_names(), cfg.ready_timeout_s,
+                                          cluster.check))
         sigs.raising = False
         if not sigs.got:
+            where = "in this process" if hosted is not None else "in its own process"
             run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
-                f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1", flush=True),
-                keys=Keys(cluster.keys_dir) if cluster.keys_dir else None,
-                identity="client", **_http_kwargs(args))
+                f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1; router "
+                f"{where} at {cluster.router_addr}", flush=True),
+                keys=keys, identity="client", hosted=hosted, **_http_kwargs(args))
     except (WorkerDied, TimeoutError, KeysError) as exc:
         print(f"pdkv serve: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
-        cluster.stop()
+        _stop(cluster, hosted)
         return 2
     except _Stop as exc:
         print(f"pdkv serve: stopped by {exc} while starting", file=sys.stderr)
     finally:
         sigs.raising = False
         sock.close()
-    cluster.stop()
+    _stop(cluster, hosted)
     return _report(cluster, replay_all(cluster.freelogs(), cluster.final_stats))
+
+
+def _stop(cluster, hosted: HostedRouter | None, timeout_s: float = 20.0) -> None:
+    """Shut the deployment down through its router; make sure every process is gone."""
+    if hosted is not None:
+        bye = asyncio.run(hosted.shutdown(timeout_s))
+        hosted.close()
+        if bye is not None:
+            cluster.final_stats = bye.stats
+            cluster.write_metrics(bye.metrics)
+    cluster.stop(timeout_s)
 
 
 def _report(cluster, checked: dict) -> int:

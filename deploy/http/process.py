@@ -29,6 +29,8 @@ class ServerProcess:
         self.log = log or Path(tempfile.mkstemp(prefix="pdkv-frontend-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.ready_line = ""
+        """The line that carried the URL (``pdkv serve`` names its router there)."""
 
     def start(self, timeout_s: float = 60.0) -> str:
         """Start and wait until it prints its URL; raises ``RuntimeError`` with its log
@@ -41,8 +43,9 @@ class ServerProcess:
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if sel.select(0.2) and (m := _URL.search(self.proc.stdout.readline().decode())):
-                self.url = m.group(1)
+            if sel.select(0.2) and (m := _URL.search(
+                    line := self.proc.stdout.readline().decode())):
+                self.url, self.ready_line = m.group(1), line.strip()
                 return self.url
         self.stop()
         raise RuntimeError(f"pdkv {self.argv[3]} did not start within {timeout_s}s (exit "

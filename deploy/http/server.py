@@ -24,6 +24,7 @@ import uvicorn
 from common.node import Keys
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
+from deploy.http.hosted import HostedRouter
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,23 @@ def run_frontend(router: str, sock: socket.socket, *, model_name: str = "",
                  api_key: str = "", max_waiting: int = 256, log_level: str = "warning",
                  on_ready: Callable[[str], None] | None = None,
                  router_timeout_s: float = 10.0, keys: Keys | None = None,
-                 identity: str = "client") -> int | None:
+                 identity: str = "client", hosted: HostedRouter | None = None) -> int | None:
     """Serve HTTP on ``sock`` in front of ``router`` until a signal; returns the signal
     number that stopped it (None when it stopped for another reason). With ``keys``
-    the connection to the router authenticates as ``identity`` (docs/security.md)."""
+    the connection to the router authenticates as ``identity`` (docs/security.md).
+    With ``hosted`` the router runs in the server's own loop (``deploy.http.hosted``)
+    and the front door calls it instead of connecting to ``router``."""
 
     def door() -> FrontDoor:
-        return FrontDoor(RouterBridge(router, router_timeout_s=router_timeout_s,
-                                      keys=keys, identity=identity),
-                         model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+        if hosted is not None:
+            hosted.attach()  # in the server's loop, from now until the loop ends
+            bridge = RouterBridge(hosted.address, router_timeout_s=router_timeout_s,
+                                  port=hosted.port(identity))
+        else:
+            bridge = RouterBridge(router, router_timeout_s=router_timeout_s, keys=keys,
+                                  identity=identity)
+        return FrontDoor(bridge, model_name=model_name, api_key=api_key,
+                         max_waiting=max_waiting)
 
     app = create_app(door)
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
