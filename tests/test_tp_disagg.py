@@ -5,7 +5,9 @@ token-identical to the single-process reference at float64 (speculative decoding
 built-in draft layers on: the draft's KV travels too), over shared memory and over frames;
 every rank's free log replays clean and each follower allocated exactly rank 0's pages.
 A rank SIGKILLed mid-request takes its group down cleanly: the group's requests fail,
-every other process's log replays clean, and the deployment serves on."""
+every other process's log replays clean, and the deployment serves on. A prefill group's
+rank 0 SIGKILLed: its followers exit (3) within their deadline, never hanging in a
+collective, and the decode frees the rows of the requests it lost with ``peer_lost``."""
 
 from __future__ import annotations
 
@@ -172,12 +174,13 @@ def _wait_gone(cluster: Cluster, name: str) -> None:
 
 
 @pytest.mark.parametrize("victim,ptp,dtp,num_prefill,num_decode", [
-    ("prefill0.tp1", 2, 1, 2, 1), ("decode0.tp1", 1, 2, 1, 2)],
-    ids=["prefill-rank", "decode-rank"])
+    ("prefill0.tp1", 2, 1, 2, 1), ("prefill0", 2, 1, 2, 1), ("decode0.tp1", 1, 2, 1, 2)],
+    ids=["prefill-rank", "prefill-rank0", "decode-rank"])
 def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
         tmp_path, reference, victim, ptp, dtp, num_prefill, num_decode):
     cfg = replace(CFG, prefill_tp=ptp, decode_tp=dtp)
     cluster = Cluster(cfg, "disagg", num_prefill, num_decode, log_dir=str(tmp_path))
+    group = victim.split(".")[0]
     try:
         cluster.start()
         ranks = {p.name: p for p in cluster.procs}
@@ -196,8 +199,12 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
         assert killed, "no request finished before the kill"
         failed = {rid: r.error for rid, r in results.items() if not r.ok}
         assert failed, "no request was in flight on the killed group"
-        group = victim.split(".")[0]
-        assert ranks[group].popen.wait(30) == 1  # rank 0 leaves with its group
+        if victim == group:  # rank 0 killed: every follower leaves (3), none hangs
+            for name, p in ranks.items():
+                if name.startswith(f"{group}.tp"):
+                    assert p.popen.wait(CFG.tp_timeout_s + 20) == 3, name
+        else:  # a follower killed: rank 0 leaves with its group
+            assert ranks[group].popen.wait(30) == 1
         _wait_gone(cluster, group)
         after = _outputs(cluster, check=False)
         assert {rid: r.output_ids for rid, r in after.items()} == reference
@@ -209,3 +216,21 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
             assert not report.violations, report.format()
         else:
             assert report.ok and not report.warnings, (path.name, report.format())
+    if victim == group and group.startswith("prefill"):
+        _check_decode_freed(tmp_path / "decode0.freelog", set(failed))
+
+
+def _check_decode_freed(path, failed: set[str]) -> None:
+    """Every request that failed with the killed prefill and had a row on the decode gave
+    it back once: ``peer_lost`` when the decode's transport saw the prefill's endpoint go
+    first, ``aborted`` when the router's abort came first (it fails every request of a
+    lost prefill not yet done, even one already decoding). The clean replay above proves
+    every pin of those rows was released and nothing stayed held."""
+    from deploy.routes import label_of
+
+    with FreeLogReader(path) as log:
+        frees = [(label_of(e["owner"]), e["reason"]) for e in log.records
+                 if e.get("op") == "free" and label_of(e["owner"]) in failed]
+    assert frees, "no failed request had reached the decode: the check cannot fail"
+    assert {reason for _, reason in frees} <= {"peer_lost", "aborted"}, frees
+    assert len({rid for rid, _ in frees}) == len(frees), frees  # each freed once
