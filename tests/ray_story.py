@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from deploy.workload import WorkloadSpec, make_workload
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
                   ready_timeout_s=90.0, debug_integrity=True)
-CPUS_PER_NODE = 3
+CPUS_PER_NODE = 8  # logical: both deployments at once, whatever the plans
 # Ray reads its auth mode when it is imported: set before anything imports it. Every
 # node, the driver and the actors share the token.
 _AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
@@ -63,14 +64,21 @@ class RayNodes:
         self.temp = Path(f"/tmp/pdkvray{os.getpid()}")  # socket paths must stay short
         self.work, self.procs = work, []
 
-    def start(self) -> None:
+    def spawn(self) -> None:
+        """Start both nodes at once: the second one's ``ray start`` waits for the head's
+        GCS (``wait`` starts it again if it gave up first)."""
         ray = str(Path(sys.executable).with_name("ray"))
-        common = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
-                  str(CPUS_PER_NODE), "--num-gpus", "0", "--object-store-memory",
-                  str(80 << 20), "--disable-usage-stats"]
+        self._common = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
+                        str(CPUS_PER_NODE), "--num-gpus", "0", "--object-store-memory",
+                        str(80 << 20), "--disable-usage-stats"]
+        self._node2 = [ray, "start", "--address", self.address, *self._common]
         self._spawn("head", [ray, "start", "--head", "--port", self.address.split(":")[1],
                              "--include-dashboard", "false", "--temp-dir", str(self.temp),
-                             *common])
+                             *self._common])
+        self._spawn("node2", self._node2)
+
+    def wait(self) -> None:
+        """Until the head is up, this driver connected and both nodes alive."""
         import ray as ray_mod
 
         deadline = time.monotonic() + 90
@@ -79,16 +87,19 @@ class RayNodes:
             assert time.monotonic() < deadline and self.procs[0].poll() is None, \
                 "the Ray head did not come up"
             time.sleep(0.2)
+        if self.procs[1].poll() is not None:  # the second node gave up waiting: again
+            self.procs.pop()
+            self._spawn("node2", self._node2)
         ray_mod.init(address=self.address, logging_level="warning", log_to_driver=False,
                      _node_ip_address="127.0.0.1")
-        self._spawn("node2", [ray, "start", "--address", self.address, *common])
         deadline = time.monotonic() + 60
         while sum(n["Alive"] for n in ray_mod.nodes()) < 2:
-            assert time.monotonic() < deadline, "second Ray node did not join"
+            assert time.monotonic() < deadline and self.procs[1].poll() is None, \
+                "second Ray node did not join"
             time.sleep(0.2)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.work / f"ray-{name}.log", "wb")
+        log = open(self.work / f"ray-{name}.log", "ab")
         self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log,
                                            stderr=subprocess.STDOUT))
 
@@ -281,24 +292,41 @@ def story_serve_cli(work: Path, address: str, seed: int, reference: dict) -> dic
         out["stdout"] = proc.stdout.read()[-500:]
         out["stderr"] = (work / "serve.log").read_text(errors="replace")[-1500:]
     out["logs"] = sorted(p.name for p in (work / "serve").glob("*.freelog"))
+    out["total_s"] = time.monotonic() - t0
     return out
 
 
 def main(out_path: str, workdir: str) -> None:
+    """Ray's nodes boot while the references are computed; the ``pdkv serve`` story (a
+    process of its own, its own deployment) runs beside the TP2 2P1D story."""
     work = Path(workdir)
-    model = Model(CFG.model_config())
-    ref3, ref5 = _reference(model, 3), _reference(model, 5)
-    result: dict = {}
+    result: dict = {"phases": {}}
     nodes = RayNodes(work)
     t0 = time.monotonic()
+    serve: list[dict] = []
+    side = None
     try:
-        nodes.start()
+        nodes.spawn()
+        model = Model(CFG.model_config())
+        ref3, ref5 = _reference(model, 3), _reference(model, 5)
+        result["phases"]["reference_s"] = time.monotonic() - t0
+        nodes.wait()
         result["ray_start_s"] = time.monotonic() - t0
         result["unplaceable"] = story_unplaceable(work)
-        result["serve"] = story_serve_cli(work, nodes.address, 3, ref3)
+        side = threading.Thread(target=lambda: serve.append(
+            story_serve_cli(work, nodes.address, 3, ref3)), name="serve-story")
+        side.start()
+        t1 = time.monotonic()
         result["tp2_disagg"] = story_tp_disagg(work, ref3, ref5)
+        result["phases"]["tp2_disagg_s"] = time.monotonic() - t1
     finally:
+        if side is not None:
+            side.join(300)
+        result["serve"] = serve[0] if serve else {"error": "the serve story did not end"}
+        result["phases"]["serve_s"] = result["serve"].get("total_s")
+        t2 = time.monotonic()
         nodes.stop()
+        result["phases"]["ray_stop_s"] = time.monotonic() - t2
         result["total_s"] = time.monotonic() - t0
         Path(out_path).write_text(json.dumps(result))
 
