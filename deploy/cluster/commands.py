@@ -24,7 +24,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="ray: workers on as many nodes as possible (spread, default) or on "
                         "as few as possible (pack)")
     g.add_argument("--ray-max-restarts", type=int, default=3, metavar="N",
-                   help="ray: restarts of a worker's actor after it dies (default 3)")
+                   help="ray: how often a worker that died comes back: Ray restarts a "
+                        "one-rank worker's actor, the launcher all ranks of a "
+                        "tensor-parallel group (default 3; then the run fails)")
 
 
 def make_cluster(args: argparse.Namespace, cfg: ServeConfig, devices: list[str], **kw):
