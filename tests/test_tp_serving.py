@@ -2,7 +2,8 @@
 ranks (one process each, loopback) is token-identical to the single-process reference
 at float64, with speculative decoding (the built-in draft layers) on; every rank writes
 its own free log and each replays clean, the follower's with exactly the pages rank 0
-allocated. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
+allocated. P TP2 -> D TP2 with a draft checkpoint, sharded like the target, equals
+transformers. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
 requests end with an error naming the lost rank, rank 0 exits, its log replays clean,
 and the deployment serves on with the other worker."""
 
@@ -73,18 +74,21 @@ def test_a_colocated_tp2_worker_equals_the_reference_and_every_rank_log_is_clean
     assert allocs0 == allocs1 and len(allocs0) >= len(reference)  # the same pages, in order
 
 
-def test_a_colocated_tp2_worker_with_a_draft_checkpoint_equals_transformers(tmp_path):
-    """The draft checkpoint (narrower KV rows than the target's) is sharded over the two
-    ranks like the target; speculation with it is exact, so the output is transformers'
-    greedy output of the target, and both ranks' logs replay clean with the same pages."""
+def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path):
+    """P TP2 -> D TP2 with a draft checkpoint (narrower KV rows than the target's),
+    sharded over each group's ranks like the target: each prefill rank computes its heads
+    of the draft's KV too, which travels with the target's to the decode rank holding
+    those heads. Speculation with it is exact, so the output is transformers' greedy
+    output of the target; every rank's log replays clean with rank 0's pages. (A
+    colocated group runs the same ranks' code; left out for CI time.)"""
     pytest.importorskip("transformers")
     from tests.checkpoint_helpers import hf_checkpoint, hf_generate
 
-    cfg = replace(CFG, model_path=str(hf_checkpoint("llama")),
+    cfg = replace(CFG, model_path=str(hf_checkpoint("llama")), prefill_tp=2,
                   draft_model_path=str(hf_checkpoint("llama-draft-tp2")))
     assert cfg.kv_layout().num_draft_layers == 1
     reqs = make_workload(SPEC, cfg.model_config().vocab_size)
-    cluster = Cluster(cfg, "colocated", 0, 1, log_dir=str(tmp_path))
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path))
     try:
         cluster.start()
         results = drive(cluster.client, reqs, check=cluster.check, timeout_s=120,
@@ -94,12 +98,13 @@ def test_a_colocated_tp2_worker_with_a_draft_checkpoint_equals_transformers(tmp_
     cluster.check_exit_codes()
     assert {rid: r.output_ids for rid, r in results.items()} == {
         r.rid: hf_generate("llama", r.prompt, r.max_new_tokens) for r in reqs}
-    assert stats["colocated0"]["spec_proposed"] > 0, stats  # the draft did propose
-    logs = [tmp_path / "colocated0.freelog", tmp_path / "colocated0.tp1.freelog"]
-    for log in logs:
-        report = replay_file(log)
-        assert report.ok and not report.warnings, report.format()
-    assert _allocs(logs[0])[1] == _allocs(logs[1])[1]
+    assert stats["decode0"]["spec_proposed"] > 0, stats  # the draft did propose
+    for worker in ("prefill0", "decode0"):
+        logs = [tmp_path / f"{worker}.freelog", tmp_path / f"{worker}.tp1.freelog"]
+        for log in logs:
+            report = replay_file(log)
+            assert report.ok and not report.warnings, report.format()
+        assert _allocs(logs[0])[1] == _allocs(logs[1])[1]
 
 
 def test_a_narrow_draft_checkpoint_needs_equal_prefill_and_decode_groups():
