@@ -155,6 +155,10 @@ def replay_all(paths: list[Path], stats: dict | None = None) -> dict:
     for name, s in (stats or {}).items():
         if s.get("freelog_problem"):
             out["reported"][name] = str(s["freelog_problem"])
+        for key, problem in s.items():  # a tensor-parallel follower's, via its rank 0
+            rank, _, what = key.partition(".")
+            if what == "freelog_problem" and rank.startswith("tp") and problem:
+                out["reported"][f"{name}/{rank}"] = str(problem)
     for path in paths:
         try:
             report = replay_file(path)

@@ -211,3 +211,25 @@ def test_a_follower_whose_free_log_cannot_write_pauses_its_group_and_says_why(
         labels = {e["owner"].split("#")[0] for e in log.records if e.get("op") == "alloc"}
     assert {r.rid for r in first} & labels  # it served before: the check below can fail
     assert not labels & {r.rid for r in during}  # nothing new admitted while paused
+
+
+def test_a_followers_free_log_problem_in_the_final_stats_marks_its_log_incomplete(tmp_path):
+    """Rank 0's final stats carry a follower's free-log problem as ``tp<r>.freelog_problem``
+    (a log that lost events may still replay clean: the file just ends); ``pdkv run``'s
+    check counts that follower's log incomplete, not clean, and says why."""
+    from common.kv import KvCache
+    from deploy.run import replay_all
+
+    path = tmp_path / "decode0.tp1.freelog"
+    cache = KvCache(8, 4, log_path=path, node="decode0/tp1")
+    kv = cache.open_row("r1")
+    cache.extend(kv, 6)
+    cache.free_kv_row(kv, [(0, 6)], reason="finished")
+    cache.close_row(kv)
+    cache.close()
+    problem = f"tp rank 1: free log {path}: failing for 1.0s: EFBIG; 3 event(s) lost"
+    assert replay_all([path], {"decode0": {"role": "decode"}})["clean"] == [path.name]
+    checked = replay_all([path], {"decode0": {"role": "decode",
+                                              "tp1.freelog_problem": problem}})
+    assert checked["incomplete"] == [path.name] and not checked["clean"], checked
+    assert checked["reported"] == {"decode0/tp1": problem}

@@ -96,9 +96,11 @@ class Mirror:
             self.group.gather_bytes(encode_report(self.reporter(step.final)))
         return True
 
-    def log_problems(self) -> str:
-        """This rank's free logs that cannot write now ("" when they all can)."""
-        failing = [h.summary() for h in log_problems() if not h.ok]
+    def log_problems(self, final: bool = False) -> str:
+        """This rank's free logs that cannot write now ("" when they all can); ``final``:
+        also those that lost events or never finished writing (what the worker's final
+        stats say of its own, ``freelog_problem``)."""
+        failing = [h.summary() for h in log_problems() if final or not h.ok]
         return f"tp rank {self.rank}: {'; '.join(failing)}" if failing else ""
 
     def _forward(self, step: TpStep) -> None:

@@ -266,7 +266,7 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                              kv_advertise, group)
         counting = RankMetrics(setup.get("role", "colocated"), cache, transfer)
         mirror = Mirror(runner, spec.rank, transfer, group)
-        mirror.reporter = lambda final: counting.report(mirror.log_problems(), final)
+        mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
         wait = FollowerWait(mirror, _on_signals(), min(5.0, spec.timeout_s / 2))
