@@ -560,7 +560,10 @@ class Router:
         self.metrics.lost(w.name, w.role)
         logger.error("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
         for route in self.routes:
-            if w.name in (route.decode, route.prefill) and route.decode_done is None:
+            # a prefill that reported its part (the decode holds every page) owes nothing
+            owes = (w.name == route.decode or (w.name == route.prefill
+                                                and route.prefill_info is None))
+            if owes and route.decode_done is None:
                 self._fail(route, "error", f"worker {w.name} lost: {why}")
 
     def tick(self, now: float) -> None:
@@ -585,11 +588,13 @@ class Router:
                 self._fail(route, "timeout", f"no result in {self.config.request_timeout_s}s")
 
     def shutdown_complete(self) -> bool:
-        """After a shutdown: True (and ``Bye`` sent to its sender) once every live
-        worker sent its final stats or the lease passed."""
+        """After a shutdown: True (and ``Bye`` sent to its sender) once every live, ready
+        worker sent its final stats or the lease passed. One that never became ready
+        served nothing: still building, or a registration that never went further (a
+        hostile one, say), it would only hold the shutdown up for a lease."""
         if self.shutdown_by is None:
             return False
-        live = [w for w in self.workers.values() if not w.lost]
+        live = [w for w in self.workers.values() if w.ready and not w.lost]
         waited = time.monotonic() - self.t_shutdown
         if all(w.stats is not None for w in live) or waited > self.config.lease_s:
             self.hub.send(self.shutdown_by, Bye({

@@ -248,9 +248,9 @@ def attacked(tmp_path_factory, reference):
             os.kill(decode.pid, signal.SIGCONT)
         runner.join(240)
         status = _status(cluster)
-        # the router waits for the final stats of every registered worker, the attacker's
-        # too, until its lease runs out
-        stats = cluster.stop(timeout_s=CFG.lease_s + 20)
+        # the router waits for the final stats of the ready workers only: the attacker's
+        # registration (never ready) held the shutdown up for a lease (30 s) before
+        stats = cluster.stop()
     finally:
         victim.close()
         cluster.stop()

@@ -218,7 +218,8 @@ def test_registration_refuses_a_live_name_and_an_unknown_role(router):
 
 def test_shutdown_answers_bye_with_every_workers_stats(router):
     _deployment(router)
-    router.dispatch(CLIENT, Shutdown())
+    router.dispatch(b"d9", Register("decode", "d9", 100))   # registered, never ready:
+    router.dispatch(CLIENT, Shutdown())                     # nothing to wait for
     for name in ("p0", "d0", "d1"):
         assert router.hub.take(name.encode(), Shutdown) == [Shutdown()]
         assert not router.shutdown_complete()
@@ -226,6 +227,7 @@ def test_shutdown_answers_bye_with_every_workers_stats(router):
     assert router.shutdown_complete()
     (bye,) = router.hub.take(CLIENT, Bye)
     assert bye.stats["d1"] == {"role": "decode", "tokens": 5}
+    assert bye.stats["d9"] == {"role": "decode"}
 
 
 def test_pings_go_to_live_workers_every_heartbeat(router):
@@ -276,6 +278,25 @@ def test_reports_from_a_worker_that_does_not_serve_the_request_are_refused(route
     assert router.hub.take(CLIENT) == []
     assert [e.code for e in router.hub.take(b"d1", Error)] == ["forbidden"] * 2
     assert router.errors["forbidden.Tokens"] == router.errors["forbidden.Done"] == 1
+
+
+def test_a_lost_prefill_fails_only_the_requests_it_still_owes(router):
+    # once a prefill reported its part (the decode acknowledged every page) its loss
+    # must not end a request that is decoding on a healthy decode
+    _join(router, "p0", "prefill", 200, "ipc:///p0")
+    _join(router, "d0", "decode", 400)
+    decoding = _submit(router, "a", [3] * 8)
+    router.dispatch(b"p0", Prefilled(decoding, "sent", kv_bytes=4096))
+    prefilling = _submit(router, "b", [3] * 8)
+    router.hub.gone.add(b"p0")
+    router._send_worker("p0", Abort("x"))             # the router finds p0 gone
+    assert router.workers["p0"].lost
+    (done,) = router.hub.take(CLIENT, Done)
+    assert done.rid == "b" and "worker p0 lost" in done.error
+    router.dispatch(b"d0", Tokens(decoding, [7, 8], first=True))
+    router.dispatch(b"d0", Done(decoding, "length", n=2))
+    assert router.hub.take(CLIENT, Done)[0].reason == "length"
+    assert prefilling not in {r.rid for r in router.routes} and len(router.routes) == 0
 
 
 def test_both_workers_of_a_request_dying_ends_it_once(router):

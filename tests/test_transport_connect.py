@@ -151,9 +151,9 @@ def test_failed_connects_are_remembered_within_a_bound(ends, tmp_path):
 
 def test_peers_that_come_and_go_leave_nothing_behind(ends, tmp_path):
     """A prefill restarted at its address five times, and a decode that reconnects five
-    times: each end keeps one peer (and the decode one socket), not one per reconnect;
-    a stranger answered with an error leaves no trace either. A request after the last
-    restart still lands byte-exact."""
+    times: each end keeps one peer (and the decode one socket), not one per reconnect,
+    and a peer forgets each request once it closed; a stranger answered with an error
+    leaves no trace either. Every request lands byte-exact."""
     _, rx, _, _ = ends()
     address = f"ipc://{tmp_path}/restarted.sock"
     for n in range(5):
@@ -166,6 +166,11 @@ def test_peers_that_come_and_go_leave_nothing_behind(ends, tmp_path):
             _until(rx, tx, (rid, EventKind.COMPLETED), {rid: _row(tx.cache, rid, 8, seed=n)})
             assert torch.equal(read_row(rx.cache, kv, 0, 8),
                                pattern(n, 8, rx.cache.layout, 0, 4))
+            deadline = time.monotonic() + 5
+            while any(p.rids for p in [*rx.peers.values(), *tx.peers.values()]):
+                assert time.monotonic() < deadline, "a closed request stays with its peer"
+                rx.poll(0.002)
+                tx.poll(0.0)
         finally:
             tx.close()
         deadline = time.monotonic() + 5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .messages import Hello
@@ -127,7 +127,14 @@ class PeerTable:
         return rids
 
     # -- closed rids ---------------------------------------------------------------------
-    def remember_closed(self, rid: str) -> None:
+    def remember_closed(self, rid: str, keys: Iterable[bytes]) -> None:
+        """``rid`` is closed: the peers of ``keys`` (its legs) no longer serve it, and its
+        late messages are dropped. A peer that served a million requests must not hold
+        a million rids."""
+        for key in keys:
+            peer = self._peers.get(key)
+            if peer is not None:
+                peer.rids.discard(rid)
         self._recent[rid] = None
         while len(self._recent) > RECENT_RIDS:
             self._recent.popitem(last=False)

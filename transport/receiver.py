@@ -450,7 +450,7 @@ class KvReceiver:
         if inc.pin_id is not None:
             self.cache.unpin(inc.pin_id)
         del self.transfers[inc.rid]
-        self.peers.remember_closed(inc.rid)
+        self.peers.remember_closed(inc.rid, inc.legs)
 
     def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
         """``peer`` is gone: its legs count as abort-acked, its open requests fail."""

@@ -396,4 +396,4 @@ class KvSender:
         self.streamer.release(out, {k for k in out.legs if self.peers.live(k) is None})
         if out.removable:
             del self.transfers[out.rid]
-            self.peers.remember_closed(out.rid)
+            self.peers.remember_closed(out.rid, out.legs)
