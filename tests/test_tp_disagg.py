@@ -223,8 +223,8 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
 def _check_decode_freed(path, failed: set[str]) -> None:
     """Every request that failed with the killed prefill and had a row on the decode gave
     it back once: ``peer_lost`` when the decode's transport saw the prefill's endpoint go
-    first, ``aborted`` when the router's abort came first (it fails every request of a
-    lost prefill not yet done, even one already decoding). The clean replay above proves
+    first, ``aborted`` when the router's abort came first (it fails the requests the lost
+    prefill still owed; one already decoding decodes on). The clean replay above proves
     every pin of those rows was released and nothing stayed held."""
     from deploy.routes import label_of
 
