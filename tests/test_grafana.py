@@ -15,7 +15,7 @@ import pytest
 from common.metrics import METRICS, family_of, metric
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "pdkv.json"
-GATHERED = {"worker", "role"}
+GATHERED = {"worker", "role", "rank"}   # added by the router; rank by a TP worker's rank 0
 _SERIES = re.compile(r"\b(pdkv_[a-z0-9_]+)\b(\{[^}]*\})?")
 _MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*\"")
 _BY = re.compile(r"\bby\s*\(([^)]*)\)")
