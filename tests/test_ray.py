@@ -161,7 +161,7 @@ def test_a_group_without_restarts_left_is_reported_and_a_stuck_rank_stopped(tmp_
         assert list(groups.groups) == ["prefill0"]  # the one-rank decode is Ray's
         procs["prefill0.tp1"].popen.wait(10)
         groups.check()
-        assert groups.groups["prefill0"].state == "draining" and not cluster.killed
+        assert groups.groups["prefill0"].phase == "draining" and not cluster.killed
         time.sleep(0.4)
         with pytest.raises(WorkerDied, match=r"prefill0: its tensor-parallel group of 2 "
                            r"ranks went down after 0 restart\(s\) \(--ray-max-restarts 0\) "

@@ -48,7 +48,7 @@ class Group:
 
     name: str
     procs: list[Proc]
-    state: str = "up"
+    phase: str = "up"
     restarts: int = 0
     since: float = 0.0
     """When its first rank was seen gone."""
@@ -84,14 +84,14 @@ class GroupSupervisor:
         """Advance every group's restart one step; raises ``WorkerDied`` for a group that
         cannot come back."""
         for g in self.groups.values():
-            getattr(self, f"_{g.state}")(g)
+            getattr(self, f"_{g.phase}")(g)
 
-    # -- states ----------------------------------------------------------------------------
+    # -- phases ----------------------------------------------------------------------------
     def _up(self, g: Group) -> None:
         dead = [p for p in g.procs if p.popen.poll() is not None]
         if not dead:
             return
-        g.state, g.since, g.why, g.exits = "draining", time.monotonic(), dead[0].why(), {}
+        g.phase, g.since, g.why, g.exits = "draining", time.monotonic(), dead[0].why(), {}
         logger.warning("ray: %s's group of %d ranks is down (%s); its other ranks leave, "
                        "then it restarts", g.name, len(g.procs), g.why.splitlines()[0])
 
@@ -110,7 +110,7 @@ class GroupSupervisor:
                 g.exits[p.name] = "stopped"
         self.cluster.kill_actors([p.name for p in g.procs])
         if g.restarts >= self.max_restarts:
-            g.state = "failed"
+            g.phase = "failed"
             raise WorkerDied(f"{g.name}: its tensor-parallel group of {len(g.procs)} ranks "
                              f"went down after {g.restarts} restart(s) (--ray-max-restarts "
                              f"{self.max_restarts}) and is not brought back; {g.why}")
@@ -118,7 +118,7 @@ class GroupSupervisor:
         g.actors = {p.name: self.cluster.create_actor(p, launch=p.role != RANK)
                     for p in g.procs}
         g.pending = {n: a.info.remote() for n, a in g.actors.items()}
-        g.state, g.tried = "placing", time.monotonic()
+        g.phase, g.tried = "placing", time.monotonic()
         logger.info("ray: %s: restart %d of %d, old ranks left with %s", g.name, g.restarts,
                     self.max_restarts, g.exits)
 
@@ -130,7 +130,7 @@ class GroupSupervisor:
         g.pending = {p.name: g.actors[p.name].launch.remote({TP_PLACEHOLDER: tp})
                      for p in g.procs if p.role == RANK}
         g.pending.update({p.name: infos[p.name] for p in g.procs if p.role != RANK})
-        g.state = "launching"
+        g.phase = "launching"
 
     def _launching(self, g: Group) -> None:
         infos = self._ready(g)
@@ -142,7 +142,7 @@ class GroupSupervisor:
                             "back_s": round(time.monotonic() - g.since, 2)})
         logger.warning("ray: %s's group is running again (restart %d, %.1f s after it went "
                        "down)", g.name, g.restarts, time.monotonic() - g.since)
-        g.state, g.pending, g.actors = "up", {}, {}
+        g.phase, g.pending, g.actors = "up", {}, {}
 
     def _failed(self, g: Group) -> None:
         raise WorkerDied(f"{g.name}: its tensor-parallel group is down for good; {g.why}")
@@ -170,4 +170,4 @@ class GroupSupervisor:
     def _retry(self, g: Group, why: str) -> None:
         logger.error("ray: %s: restart %d failed: %s", g.name, g.restarts, why)
         # every rank counted as gone: draining kills the try's actors and goes on at once
-        g.why, g.state, g.exits = why, "draining", {p.name: "not started" for p in g.procs}
+        g.why, g.phase, g.exits = why, "draining", {p.name: "not started" for p in g.procs}
