@@ -9,6 +9,7 @@ is only ever an unexpected fault of pdkv itself, never a user's mistake.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,14 +54,15 @@ def _param_of(loc: tuple) -> str:
     return out or "body"
 
 
-def validation_error(exc: RequestValidationError) -> ApiError:
-    """Pydantic's first complaint, as a 400 naming the parameter."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+def validation_error(errors: Sequence[Mapping]) -> ApiError:
+    """Pydantic's first complaint (``ValidationError.errors()``, FastAPI's or the fast
+    lane's), as a 400 naming the parameter."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _param_of(tuple(first.get("loc", ())))
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message = f"unrecognized request argument: {param}"
-    elif kind in ("json_invalid", "model_attributes_type"):
+    elif kind in ("json_invalid", "model_attributes_type", "model_type"):
         message = "the body must be a JSON object (Content-Type: application/json)"
     else:
         message = f"{param}: {first.get('msg', 'invalid value')}"
@@ -76,7 +78,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:

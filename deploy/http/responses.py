@@ -14,10 +14,12 @@ import json
 from deploy.http.generation import Delta, Generation
 
 DONE = b"data: [DONE]\n\n"
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+"""One encoder for every chunk (``json.dumps`` with separators builds one per call)."""
 
 
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj).encode() + b"\n\n"
 
 
 class Shaper:

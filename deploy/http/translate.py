@@ -150,9 +150,9 @@ def _prompt_ids(prompt, lim: Limits, text: TextModel | None) -> list[int]:
             raise ApiError(400, no_text_reason(lim.model), param="prompt")
         _check_text_size(len(prompt), lim, text, "prompt")
         prompt = text.encode(prompt)
-    bad = [t for t in prompt if not 0 <= t < lim.vocab_size]
-    if bad:
-        raise ApiError(400, f"prompt token id {bad[0]} out of range; allowed: 0 to "
+    if prompt and (min(prompt) < 0 or max(prompt) >= lim.vocab_size):  # C loops: the
+        bad = next(t for t in prompt if not 0 <= t < lim.vocab_size)  # hot path's check
+        raise ApiError(400, f"prompt token id {bad} out of range; allowed: 0 to "
                             f"{lim.vocab_size - 1}", param="prompt")
     return _check_prompt(list(prompt), lim, "prompt")
 
