@@ -16,11 +16,15 @@ Prefix-cache seam: a request whose first ``num_computed`` prompt tokens already 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from common.model import BatchItem, ModelRunner, sample
 from common.request import Request
 
 logger = logging.getLogger(__name__)
+
+Sampled = Callable[[list[Request]], None]
+"""Told which requests of a pass have their first token (``PrefillEngine.step``)."""
 
 
 class PrefillEngine:
@@ -57,9 +61,17 @@ class PrefillEngine:
     def has_work(self) -> bool:
         return bool(self.tasks)
 
-    def step(self) -> tuple[list[Request], list[Request]]:
+    def step(self, on_sampled: Sampled | None = None) -> tuple[list[Request], list[Request]]:
         """Run one pass. Returns (requests that advanced, requests that finished their
-        prompt); finished ones carry their first token in ``output`` and leave."""
+        prompt); finished ones carry their first token in ``output`` and leave.
+
+        Args:
+            on_sampled: called with the finished requests once their first token is in
+                ``output``, after the target's forward and before the draft's: the first
+                token depends on the target's logits alone, so it need not wait for the
+                draft KV (which the decode needs only for its first speculative step).
+                The rows are not committed yet; an exception fails the pass.
+        """
         batch = self._schedule()
         self.batch = [r for r, _ in batch]
         if not batch:
@@ -67,22 +79,23 @@ class PrefillEngine:
         items = [BatchItem(r.kv, r.prompt[r.num_computed:r.num_computed + n], r.num_computed)
                  for r, n in batch]
         logits = self.runner.forward(items)
-        if self.with_draft:
-            self.runner.forward(items, draft=True)
-        finished = []
-        for i, (req, n) in enumerate(batch):
-            self.cache.commit(req.kv, n)
-            req.num_computed += n
-            self.num_tokens_computed += n
-            if req.prompt_remaining == 0:
-                finished.append((i, req))
+        finished = [(i, req) for i, (req, n) in enumerate(batch) if req.prompt_remaining == n]
         if finished:
             rows = logits[[i for i, _ in finished]]
             tokens = sample(rows, [r.params for _, r in finished],
                             [r.label for _, r in finished], [0] * len(finished))
             for (_, req), tok in zip(finished, tokens):
                 req.output.append(tok)
-                del self.tasks[req.rid]
+            if on_sampled is not None:
+                on_sampled([r for _, r in finished])
+        if self.with_draft:
+            self.runner.forward(items, draft=True)
+        for req, n in batch:
+            self.cache.commit(req.kv, n)
+            req.num_computed += n
+            self.num_tokens_computed += n
+        for _, req in finished:
+            del self.tasks[req.rid]
         return [r for r, _ in batch], [r for _, r in finished]
 
     def _schedule(self) -> list[tuple[Request, int]]:

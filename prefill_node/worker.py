@@ -7,8 +7,10 @@ A request's steps on this worker:
    Both may arrive in either order (QUEUED until both are in).
 2. When this pool has room for the prompt, the row is opened and extended (PREFILLING).
 3. Each engine step computes a chunk; ``KvSender.send`` pins and streams the full pages.
-4. After the last chunk the first token goes to the router (the client's first token)
-   and ``finish`` sends the tail page and the first token to the decode (TRANSFERRING).
+4. The last chunk's pass samples the first token from the target's logits and it goes to
+   the router at once (the client's first token), before the draft model's pass; after
+   that pass ``finish`` sends the tail page and the first token to the decode
+   (TRANSFERRING).
 5. ``COMPLETED`` (the decode acknowledged everything): the row is freed with ``sent`` and
    ``prefilled`` goes to the router with the transfer's timings.
 6. An abort (client via router, or the decode via the transport) or a failure frees the
@@ -139,7 +141,7 @@ class PrefillWorker(WorkerBase):
         if not self.engine.has_work:
             return admitted
         try:
-            advanced, finished = self.engine.step()
+            advanced, finished = self.engine.step(on_sampled=self._first_tokens)
         except Exception as exc:  # contained: the pass's requests fail, the worker lives
             logger.exception("%s: a prefill pass failed", self.name)
             for req in self.engine.batch:
@@ -156,13 +158,18 @@ class PrefillWorker(WorkerBase):
             req.t_prefilled = now
             trace.mark("prefill.computed", req.rid)
             self._move(req, ReqState.TRANSFERRING)
-            # the first token goes to the router now, so the client's TTFT waits neither
-            # for the transfer nor for the decode (which sends it again with the KV; the
-            # router relays whichever comes first)
-            self.send(Tokens(req.rid, [req.output[0]], first=True))
             self.sender.finish(req.rid, req.kv, req.output[0])
             trace.mark("prefill.finish_out", req.rid)
         return True
+
+    def _first_tokens(self, finished: list[Request]) -> None:
+        """The engine sampled these first tokens (the draft's pass is still to come):
+        they go to the router now, so the client's TTFT waits neither for the draft's
+        KV nor for the transfer nor for the decode (which sends the token again with the
+        KV; the router relays whichever comes first)."""
+        for req in finished:
+            trace.mark("prefill.sampled", req.rid)
+            self.send(Tokens(req.rid, [req.output[0]], first=True))
 
     def _admit(self) -> bool:
         """Open rows for announced requests, in arrival order, while the pool has room."""

@@ -4,6 +4,7 @@ ending once with its reason; the free log replays clean."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -28,6 +29,7 @@ from common.node import (
     RouterLost,
     Shutdown,
     Stats,
+    Tokens,
 )
 from common.request import ReqState
 from prefill_node.busy import BusyTime
@@ -249,3 +251,44 @@ def test_a_failing_prefill_pass_fails_its_requests_alone(prefill, tmp_path):
     assert worker.reqs["c"].num_computed == 8
     worker.close()
     assert _frees(tmp_path) == [("a", "error"), ("b", "error"), ("c", "aborted")]
+
+
+class _DraftWatchingRunner(ModelRunner):
+    """A runner that notes, as each draft pass starts, which first tokens the router
+    has heard by then."""
+
+    def __init__(self, model, cache, draft, link: FakeLink) -> None:
+        super().__init__(model, cache, draft)
+        self.link, self.heard_at_draft = link, []
+
+    def forward(self, items, draft: bool = False):
+        if draft:
+            self.heard_at_draft.append([m.rid for m in self.link.sent
+                                        if isinstance(m, Tokens) and m.first])
+        return super().forward(items, draft=draft)
+
+
+def test_the_first_token_goes_to_the_router_before_the_draft_pass(tmp_path, model):
+    # the first token depends on the target's logits alone: the client's TTFT does not
+    # wait for the draft model's pass (before, Tokens went out after it)
+    cfg = dataclasses.replace(CFG, spec_k=3)
+    link = FakeLink()
+    worker = PrefillWorker("p0", link, kv_bind=f"ipc://{tmp_path}/p0.sock",
+                           log_dir=str(tmp_path))
+    worker.start(cfg)
+    try:
+        assert worker.engine.with_draft
+        runner = worker.engine.runner = _DraftWatchingRunner(
+            worker.runner.model, worker.cache, worker.runner.draft, link)
+        tokens = prompt(12, seed=1)
+        worker.dispatch(_req("a", tokens))
+        worker.tick()                              # positions 0-8: no first token yet
+        worker.tick()                              # 8-12: the last chunk
+        (first,) = link.take(Tokens)
+        assert first.ids == generate_greedy(model, [tokens], 1)[0][:1]
+        assert runner.heard_at_draft == [[], ["a"]]
+        assert worker.reqs["a"].state == ReqState.TRANSFERRING
+        assert worker.reqs["a"].kv.committed_len == 12         # both passes ran
+    finally:
+        worker.close()
+    assert _frees(tmp_path) == [("a", "aborted")]
