@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.model import Model
 from tests.model_helpers import F64
 from tests.zmq_leaks import ZmqTracker
+
+# One torch thread in the test process, as every worker has (``--threads 1``): references
+# are computed here while worker processes run on the same two cores, and two OpenMP
+# threads then wait on each other's slices. test_attacks' float64 reference took 30 s on
+# two threads and 8 s on one at load 3.5 (92 s on two at load 6, 7 s quiet). Tests of the
+# page copier set its own thread count (``set_copy_threads``), which this does not touch.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
