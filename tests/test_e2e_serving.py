@@ -190,6 +190,7 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
     import socket
 
     from common.node import Keys
+    from deploy.cli import main as cli_main
     from deploy.client import Client
 
     def port():
@@ -199,11 +200,11 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
 
     router, kv = f"tcp://127.0.0.1:{port()}", port()
     base = [sys.executable, "-m", "deploy.cli"]
-    subprocess.run([*base, "keys", "create", str(tmp_path / "keys")], check=True,
-                   capture_output=True)
+    # pdkv keys in this process: the same command's code, without four interpreter starts
+    assert cli_main(["keys", "create", str(tmp_path / "keys")]) == 0
     for host in ("router", "worker", "operator"):
-        subprocess.run([*base, "keys", "export", str(tmp_path / "keys"),
-                        str(tmp_path / host), "--for", host], check=True, capture_output=True)
+        assert cli_main(["keys", "export", str(tmp_path / "keys"), str(tmp_path / host),
+                         "--for", host]) == 0
     cmds = {
         "router": [*base, "router", "--bind", router, "--config-json",
                    json.dumps(CFG.to_dict()), "--auth-keys", str(tmp_path / "router")],
