@@ -20,6 +20,12 @@ over repeats. Two whole passes lie tens of seconds apart, and on a shared machin
 drift between them moved their TTFT p50 difference by +-20 ms between repeats; the
 passes' own difference is still printed, and the tokens/s goal is judged on them.
 
+What the HTTP path's figures hold beyond the router path's: the HTTP client's own work
+(aiohttp, as ``vllm bench serve`` uses it; encoding the body, parsing the response and
+each SSE event), which the router path's ZMQ client does not do. That is part of what
+serving over HTTP costs a client, so it is measured, not subtracted (docs/benchmarks.md
+has it apart: about 0.3 ms of aiohttp against a raw-socket client on this box).
+
 The host tier is off unless ``--offload`` is given: with it, a pass would reuse the
 prefixes that the previous pass cached, and the second path would look faster.
 """

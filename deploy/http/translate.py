@@ -109,7 +109,9 @@ def _plan(req: _Sampling, prompt: list[int], max_tokens: int, lim: Limits,
           text: TextModel | None) -> Plan:
     _check_model(req.model, lim)
     _check_sampling(req)
-    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else \
+    # no getattr with a default: on a pydantic model a missing attribute costs a raise
+    param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and \
+        req.max_completion_tokens else \
         "max_tokens"
     if not 1 <= max_tokens <= lim.max_new_tokens:
         raise ApiError(400, f"{param}={max_tokens}; allowed: 1 to {lim.max_new_tokens}",
