@@ -21,7 +21,12 @@ offload/plain is kept. Goal: scattered offload >= 0.7x the plain copy of the sam
 in every round (the worst round is judged); exit status 1 on a miss unless
 ``--report-only``.
 
-Run: ``python -m benchmarks.offload [--quick] [--json] [--report-only] [--device cuda]``.
+``--split`` times the parts of a scattered offload instead (no goal judged): ``prepare_store``
+(pins, host allocation, hash-chain lookup, hand-off), ``complete_store`` (the copy and the
+prefix-cache insert), the page copier called directly, one thread of numpy slices, and
+the plain copy, interleaved, in ms (min / median / max of the rounds).
+
+Run: ``python -m benchmarks.offload [--quick] [--json] [--report-only] [--device cuda] [--split]``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from benchmarks.goals import Goals, add_bench_flags
 from common import KvCache, KvLayout
 from common.host import HashChain, HostTier, Offloader
-from common.kv import copy_threads, set_copy_threads
+from common.kv import copy_pages, copy_threads, set_copy_threads
 
 LAYOUT = KvLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
 PAGE_SIZE = 16
@@ -122,6 +127,59 @@ def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) ->
             "offload_vs_plain_worst": min(per_round)}
 
 
+def split(num_pages: int, repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Milliseconds of each part of a scattered offload, interleaved, per round."""
+    tokens = num_pages * PAGE_SIZE
+    cache = KvCache(2 * num_pages + 1, PAGE_SIZE, layout=LAYOUT, device=device,
+                    max_rows=2 * num_pages + 2)
+    _scatter_pool(cache, 2 * num_pages, seed=0)
+    host = HostTier(num_pages + 1, PAGE_SIZE, LAYOUT, device=device)
+    off = Offloader(cache, host)
+    src = cache.open_row("src")
+    cache.extend(src, tokens)
+    cache.commit(src, tokens)
+    pages = cache.pages(src, 0, tokens)
+    cache.data()[pages] = torch.randn((num_pages, *LAYOUT.page_shape(PAGE_SIZE)),
+                                      device=device).to(LAYOUT.torch_dtype)
+    plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
+    host_pages = np.arange(1, num_pages + 1)
+    parts: dict[str, list[float]] = {}
+    marks: list[float] = []
+
+    def store(chain):  # back to back, as the bench's offload: the engine may start at once
+        h = off.prepare_store(src, chain)
+        marks.append(time.perf_counter())
+        off.complete_store(h)
+
+    def numpy_loop():
+        s = cache.data().view(cache.data().shape[0], -1).view(torch.uint8).numpy()
+        d = host.data.view(host.data.shape[0], -1).view(torch.uint8).numpy()
+        for i, p in enumerate(pages):
+            d[1 + i] = s[p]
+
+    for r in range(repeats + 1):  # the first round warms up and is dropped
+        chain = HashChain(PAGE_SIZE, tokens=np.full(tokens, r, np.int32))
+        off.prefix.evict(num_pages)
+        _sync(device)
+        time.sleep(SETTLE_S)
+        t0 = time.perf_counter()
+        store(chain)
+        _sync(device)
+        t1 = time.perf_counter()
+        times = {"prepare_store": marks[-1] - t0, "complete_store": t1 - marks[-1],
+                 "copier direct": _timed(lambda: copy_pages(cache.data(), pages, host.data,
+                                                            host_pages), device),
+                 "plain copy_": _timed(lambda: plain_dst.copy_(
+                     cache.data()[1:num_pages + 1]), device)}
+        if device.type == "cpu":
+            times["numpy 1 thread"] = _timed(numpy_loop, device)
+        for k, v in times.items():
+            if r:
+                parts.setdefault(k, []).append(v * 1e3)
+    off.close()
+    return parts
+
+
 def run(quick: bool, repeats: int | None, device: str | None,
         threads: int | None = None) -> dict:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -162,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="threads of both the "
                         "plain copy (torch intra-op) and the page copier (default: torch's "
                         f"count, {torch.get_num_threads()} here)")
+    parser.add_argument("--split", action="store_true", help="time the parts of a scattered "
+                        "offload (ms) instead; judges no goal")
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: need at least 1")
+    if args.split:
+        return _print_split(args)
     results = run(args.quick, args.repeats, args.device, args.threads)
     goals = judge(results)
     if args.json:
@@ -184,6 +246,27 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['offload_vs_plain_rounds']}")
     goals.print()
     return goals.exit_status(args)
+
+
+def _print_split(args) -> int:
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = args.threads or torch.get_num_threads()
+    before = copy_threads(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    set_copy_threads(threads)
+    try:
+        parts = split(64 if args.quick else 256, args.repeats or (3 if args.quick else 9), dev)
+    finally:
+        set_copy_threads(before[0])
+        torch.set_num_threads(before[1])
+    if args.json:
+        print(json.dumps({"device": str(dev), "threads": threads, "split_ms": parts}, indent=2))
+        return 0
+    print(f"scattered offload split on {dev}, {threads} threads each side, ms per round:")
+    for k, v in parts.items():
+        print(f"  {k:>15} min {min(v):6.2f} median {statistics.median(v):6.2f} "
+              f"max {max(v):6.2f}")
+    return 0
 
 
 if __name__ == "__main__":
