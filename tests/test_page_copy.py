@@ -161,9 +161,16 @@ def test_a_waiter_copies_a_share_of_the_running_copy_in_a_busy_helpers_place(
     import common.kv.page_copy as page_copy
     copied_by: list[str] = []
     real = page_copy._slice_part
+    me = threading.current_thread().name
+    joined = threading.Event()
 
     def recording(src, dst, runs):
-        copied_by.append(threading.current_thread().name)
+        name = threading.current_thread().name
+        copied_by.append(name)
+        if name == me:
+            joined.set()
+        else:   # the engine's thread holds its first piece until we joined (or 5 s), so
+            joined.wait(5)   # however late this thread comes to wait, a piece is left
         real(src, dst, runs)
 
     monkeypatch.setattr(page_copy, "_slice_part", recording)
@@ -180,10 +187,9 @@ def test_a_waiter_copies_a_share_of_the_running_copy_in_a_busy_helpers_place(
         pages[0] = 1                                      # scattered: one slice per page
         job = engine.submit(src, pages, dst, np.arange(n + 1, 2 * n + 1))
         assert engine.at_gate.wait(5)
-        threading.Timer(0.1, engine.gate.set).start()     # once we wait (or before)
+        engine.gate.set()
         assert job.wait(30) and job.error is None
         assert torch.equal(dst[n + 1:], src[pages]) and not dst[:n + 1].any()
-        me = threading.current_thread().name
         assert engine.ran == [(1, "kv-offload-copy")]     # the engine's thread ran it...
         assert me in copied_by and "kv-offload-copy" in copied_by  # ...and we joined
         assert not any(t.done() for t in held)            # no helper was needed
