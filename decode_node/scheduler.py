@@ -122,13 +122,16 @@ class DecodeScheduler:
         self._move(req, ReqState.PREFILLING)
 
     # -- decoding --------------------------------------------------------------------------
-    def start_decoding(self, req: Request, t_kv_wall: float = 0.0) -> None:
+    def start_decoding(self, req: Request, t_kv_wall: float = 0.0,
+                       first_sent: bool = False) -> None:
         """The prompt's KV is committed and ``req.output`` holds the first token: stream
-        it (``t_kv_wall``: when the decode held all KV) and join the batch, or finish at
-        once (one token wanted, or the stop token came first)."""
+        it (``t_kv_wall``: when the decode held all KV; not when ``first_sent``, the
+        colocated worker sent it as soon as it was sampled) and join the batch, or finish
+        at once (one token wanted, or the stop token came first)."""
         assert len(req.output) == 1 and req.kv.committed_len == req.prompt_len, req.rid
         self._move(req, ReqState.DECODING)
-        self.send(Tokens(req.rid, list(req.output), first=True, t_kv_wall=t_kv_wall))
+        if not first_sent:
+            self.send(Tokens(req.rid, list(req.output), first=True, t_kv_wall=t_kv_wall))
         if not self.batch.add(req):
             self._finish(req)
         elif self.host_connector is not None:

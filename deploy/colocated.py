@@ -15,7 +15,7 @@ import logging
 from common import trace
 from common.codec import unpack_ids
 from common.metrics import watch_host
-from common.node import Done, Load, Req, WorkerBase
+from common.node import Done, Load, Req, Tokens, WorkerBase
 from common.request import Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.engine import PrefillEngine
@@ -61,7 +61,7 @@ class ColocatedWorker(WorkerBase):
         if self.engine.has_work:
             busy = True
             try:
-                _, finished = self.engine.step()
+                _, finished = self.engine.step(on_sampled=self._first_tokens)
             except Exception as exc:  # contained: the pass's requests fail
                 logger.exception("%s: a prefill pass failed", self.name)
                 for req in self.engine.batch:
@@ -70,8 +70,16 @@ class ColocatedWorker(WorkerBase):
                 finished = []
             for req in finished:
                 trace.mark("colocated.computed", req.rid)
-                self.scheduler.start_decoding(req)
+                self.scheduler.start_decoding(req, first_sent=True)
         return self.scheduler.step() or busy
+
+    def _first_tokens(self, finished: list[Request]) -> None:
+        """The engine sampled these first tokens (the draft's pass is still to come): they
+        go out now, as the prefill worker sends them, so the client's TTFT does not wait
+        for the draft's KV."""
+        for req in finished:
+            trace.mark("colocated.sampled", req.rid)
+            self.send(Tokens(req.rid, [req.output[0]], first=True))
 
     def _admit(self) -> bool:
         """Admit what fits (its cached prefix loaded and committed) and queue the rest of
