@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import resource
 import statistics
 import sys
 import time
@@ -78,12 +79,19 @@ def _child(address: str, pool_tokens: int, shared: bool, queue, cmd,
     dest = cache.data().view(torch.uint8).numpy().reshape(-1)  # raw lands here too
     while (job := cmd.get()) is not None:
         if job[0] == "pdkv":
-            queue.put(("pdkv", job[1], _receive(rx, cache, job[1], job[2], pool_tokens)))
+            f0 = _faults()
+            seconds = _receive(rx, cache, job[1], job[2], pool_tokens)
+            queue.put(("pdkv", job[1], seconds, _faults() - f0))
         else:
             _child_baseline(ctx, queue, job, dest)
     rx.close()
     ctx.term()
     cache.close()
+
+
+def _faults() -> int:
+    """Minor page faults of this process so far (all threads: ZMQ's I/O thread too)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _receive(rx: KvReceiver, cache: KvCache, tokens: int, repeat: int,
@@ -110,7 +118,7 @@ def _child_baseline(ctx: zmq.Context, queue, job, dest: np.ndarray) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     queue.put(("ready", kind, 0.0))
-    got, offset = 0, 0
+    got, offset, f0 = 0, 0, _faults()
     for _ in range(messages):
         if kind == "raw":
             offset = 0 if offset + RAW_MSG > dest.nbytes else offset
@@ -121,14 +129,16 @@ def _child_baseline(ctx: zmq.Context, queue, job, dest: np.ndarray) -> None:
             got += len(sock.recv(copy=False).buffer)
         else:
             got += sum(t.numel() * t.element_size() for t in sock.recv_pyobj())
-    queue.put((kind, nbytes, time.monotonic()))
+    queue.put((kind, nbytes, time.monotonic(), _faults() - f0))
     assert got == nbytes, (got, nbytes)
     sock.close(linger=0)
 
 
 # -- prefill side and baselines ------------------------------------------------------------
-def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd) -> float:
-    """Seconds to push ``total`` bytes (``src`` repeated) to the child."""
+def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd,
+              faults: list | None = None) -> float:
+    """Seconds to push ``total`` bytes (``src`` repeated) to the child; the child's page
+    faults meanwhile are appended to ``faults``."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
@@ -150,7 +160,9 @@ def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd) 
     for _ in range(reps):
         for m in msgs:
             sock.send(m, copy=False) if kind != "pickle" else sock.send_pyobj(m)
-    _, _, t_end = queue.get(timeout=600)
+    _, _, t_end, *flt = queue.get(timeout=600)
+    if faults is not None:
+        faults.extend(flt)
     sock.close(linger=0)
     return t_end - t0
 
@@ -188,16 +200,18 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     for tokens in sizes:
         nbytes = tokens * LAYOUT.page_bytes(PAGE) // PAGE
         part = src[:min(nbytes, src.nbytes)]  # the same bytes; repeated when pool < request
-        pdkv, raw, discard = [], [], []
+        pdkv, raw, discard, faults = [], [], [], {"pdkv": [], "raw": []}
         for repeat in range(repeats):  # alternate, so drift hits pdkv and raw alike
             cmd.put(("pdkv", tokens, repeat))
-            pdkv.append(_await_pdkv(tx, cache, rows, queue))
-            raw.append(_baseline("raw", base, part, nbytes, queue, cmd))
+            pdkv.append(_await_pdkv(tx, cache, rows, queue, faults["pdkv"]))
+            raw.append(_baseline("raw", base, part, nbytes, queue, cmd, faults["raw"]))
             discard.append(_baseline("discard", base, part, nbytes, queue, cmd))
         pick = [_baseline("pickle", base, part, part.nbytes, queue, cmd)
                 for _ in range(max(1, repeats // 2))]
         mem = [_memcpy(part, nbytes) for _ in range(repeats)]
         results[tokens] = _figures(nbytes, pdkv, raw, discard, mem, pick, part.nbytes)
+        for kind, counts in faults.items():   # where a slow run's time went (see docs)
+            results[tokens][f"decode_faults_{kind}"] = counts
     cmd.put(None)
     while proc.is_alive() and tx.peers and not all(p.lost for p in tx.peers.values()):
         _pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
@@ -207,8 +221,10 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     return results
 
 
-def _await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue) -> float:
-    """Serve the child's announces until it reports the seconds the request took.
+def _await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue,
+                faults: list | None = None) -> float:
+    """Serve the child's announces until it reports the seconds the request took (and
+    the page faults the decode took meanwhile, appended to ``faults``).
 
     ``poll`` wakes as soon as a message arrives; its timeout only paces the check for the
     child's report (outside the child's timing), so a long one keeps this loop from
@@ -217,8 +233,10 @@ def _await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue) -> float:
     while True:
         _pump(tx, cache, tx.poll(0.02), rows)
         if not queue.empty():
-            kind, _, seconds = queue.get()
+            kind, _, seconds, *flt = queue.get()
             assert kind == "pdkv", kind
+            if faults is not None:
+                faults.extend(flt)
             return seconds
 
 
