@@ -111,6 +111,22 @@ def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads,
     assert 1 <= len(helpers) <= 2                     # the caller did one share itself
 
 
+def test_split_false_copies_on_the_calling_thread_only(three_copy_threads, monkeypatch):
+    """The transport lands frames with ``split=False``: helper threads left ZMQ's next
+    receive buffers fresh (docs/benchmarks.md), so no share may go to one."""
+    import common.kv.page_copy as page_copy
+    pieces = []
+    monkeypatch.setattr(page_copy, "run_pieces", lambda p, fn: (pieces.append(len(p)),
+                                                                [fn(x) for x in p]))
+    n = 3 * SPLIT_ABOVE_BYTES // (256 << 10)
+    src = np.random.default_rng(3).integers(0, 255, (n, 256 << 10), np.uint8)
+    dst = np.zeros_like(src)
+    copy_pages(src, np.arange(n), dst, np.arange(n)[::-1].copy(), split=False)
+    assert np.array_equal(dst, src[::-1]) and pieces == [1]
+    copy_pages(src, np.arange(n), dst, np.arange(n)[::-1].copy())
+    assert pieces[1] > 1                              # the default still shares it out
+
+
 def test_a_failing_share_is_raised_after_every_share_ended(three_copy_threads):
     src = np.ones((64, SPLIT_ABOVE_BYTES // 16), np.uint8)
     dst = np.zeros_like(src)

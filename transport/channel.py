@@ -124,5 +124,7 @@ class PoolView:
         shape = self.shaped.shape
         src = np.frombuffer(payload, dtype=np.uint8).reshape(
             len(dest_pages), *shape[1:4], heads.stop - heads.start, shape[5])
+        # on this thread: landing through the copier's helper threads left ZMQ's next
+        # receive buffers fresh (every byte page-faulted again; docs/benchmarks.md)
         return copy_pages(src, np.arange(len(dest_pages)), self.shaped, dest_pages,
-                          dst_heads=heads)
+                          dst_heads=heads, split=False)

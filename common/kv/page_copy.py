@@ -16,7 +16,10 @@ How each run moves (measured on a 2-core CPU; one frame or copy per run, never p
   scattered 512 KiB pages moved at 1.26 GB/s on one thread and 1.64 on two, against 1.87
   for a two-thread ``copy_`` of the same bytes in one block (load 8); a decode landing
   8 MiB tcp frames kept pace with raw pyzmq on two (1.06-1.24x) and not on one
-  (0.57-0.69x, load 7). Torch copies of single runs are no substitute: 0.2-0.6 GB/s.
+  (0.57-0.69x, load 7) on 2026-12-01; on 2026-12-02 the helpers turned out to leave ZMQ's
+  next receive buffers fresh (every byte page-faulted again), so the transport lands
+  frames with ``split=False`` (docs/benchmarks.md). Torch copies of single runs are no
+  substitute: 0.2-0.6 GB/s.
   One run of one big block stays with torch when both sides are tensors.
 - Scattered small pages on one device: ``index_select(out=...)`` gathers at near memcpy
   speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
@@ -74,9 +77,10 @@ def check_pages(pages: np.ndarray, num_pages: int, what: str = "page") -> None:
 
 def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarray,
                non_blocking: bool = False, src_heads: slice | None = None,
-               dst_heads: slice | None = None) -> int:
+               dst_heads: slice | None = None, split: bool = True) -> int:
     """``dst[dst_pages] = src[src_pages]`` (restricted to head slices when given),
     coalesced into runs; page ids are checked first. Returns the number of runs.
+    ``split=False`` keeps a CPU copy on the calling thread (no helper shares).
 
     Raises:
         IndexError: a page id outside its pool.
@@ -97,7 +101,7 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
         src_np, dst_np = _byte_rows(src), _byte_rows(dst)
         gather = small and len(runs) > 1  # many short runs: fancy-indexed gather + scatter
         _run_shared(src_np, np.asarray(src_pages, np.int64), dst_np,
-                    np.asarray(dst_pages, np.int64), runs, gather)
+                    np.asarray(dst_pages, np.int64), runs, gather, split)
         return len(runs)
     if len(runs) > 1 and src.device == dst.device and _int64_viewable(src) and (
             small or len(page_runs(dst_pages)) * 4 <= len(dst_pages)):
@@ -164,7 +168,8 @@ def _int64_viewable(t: torch.Tensor) -> bool:
 
 
 def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
-                dst_pages: np.ndarray, runs: list[tuple[int, int, int]], gather: bool) -> None:
+                dst_pages: np.ndarray, runs: list[tuple[int, int, int]], gather: bool,
+                split: bool = True) -> None:
     """Copy byte-row pages ``dst[dst_pages] = src[src_pages]`` (as ``runs``, or gathered
     when ``gather``), shared out over ``copy_threads()`` threads by whole pages.
 
@@ -175,7 +180,7 @@ def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
     half after the caller's was done; one not started when nothing is left is taken back
     (a busy machine's unscheduled thread holds nothing up)."""
     total = len(src_pages) * src.shape[1]
-    if copy_threads() < 2 or total < SPLIT_ABOVE_BYTES:
+    if not split or copy_threads() < 2 or total < SPLIT_ABOVE_BYTES:
         pieces = [(0, len(src_pages))] if gather else [runs]
     else:
         cuts = _guided_cuts(len(src_pages), copy_threads(),
