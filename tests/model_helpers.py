@@ -1,10 +1,12 @@
-"""The tiny model at float64 (where batching cannot flip a greedy token) and seeded prompts."""
+"""The tiny model at float64 (where batching cannot flip a greedy token), seeded prompts,
+and a runner that watches when the first tokens leave."""
 
 from __future__ import annotations
 
 import torch
 
-from common.model import get_config
+from common.model import ModelRunner, get_config
+from common.node import ControlLink, Tokens
 
 F64 = get_config("tiny", dtype="float64")
 
@@ -13,3 +15,18 @@ def prompt(n: int, seed: int = 1) -> list[int]:
     """``n`` token ids drawn from ``seed``: the same prompt in every test and process."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, F64.vocab_size, (n,), generator=gen).tolist()
+
+
+class DraftWatchingRunner(ModelRunner):
+    """``runner``'s model, pool and draft; notes, as each draft pass starts, the rids
+    whose first token went out on ``link`` (a ``FakeLink``) by then."""
+
+    def __init__(self, runner: ModelRunner, link: ControlLink) -> None:
+        super().__init__(runner.model, runner.cache, runner.draft)
+        self.link, self.heard_at_draft = link, []
+
+    def forward(self, items, draft: bool = False):
+        if draft:
+            self.heard_at_draft.append([m.rid for m in self.link.sent
+                                        if isinstance(m, Tokens) and m.first])
+        return super().forward(items, draft=draft)

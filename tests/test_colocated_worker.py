@@ -7,29 +7,15 @@ from __future__ import annotations
 from common.codec import pack_ids
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
-from common.model import ModelRunner, generate_greedy
+from common.model import generate_greedy
 from common.node import Done, Req, Tokens
 from deploy.colocated import ColocatedWorker
 from tests.fakes import FakeLink
-from tests.model_helpers import prompt
+from tests.model_helpers import DraftWatchingRunner, prompt
 
 CFG = ServeConfig(dtype="float64", page_size=4, decode_pages=64, chunk_size=8,
                   max_prefill_tokens=16, spec_k=3, offload=False, heartbeat_s=0.2,
                   lease_s=3.0)
-
-
-class _DraftWatchingRunner(ModelRunner):
-    """Notes, as each draft pass starts, which first tokens the router has heard."""
-
-    def __init__(self, runner: ModelRunner, link: FakeLink) -> None:
-        super().__init__(runner.model, runner.cache, runner.draft)
-        self.link, self.heard_at_draft = link, []
-
-    def forward(self, items, draft: bool = False):
-        if draft:
-            self.heard_at_draft.append([m.rid for m in self.link.sent
-                                        if isinstance(m, Tokens) and m.first])
-        return super().forward(items, draft=draft)
 
 
 def test_the_first_token_goes_out_before_the_draft_pass_and_only_once(tmp_path, model):
@@ -42,7 +28,7 @@ def test_the_first_token_goes_out_before_the_draft_pass_and_only_once(tmp_path, 
     tokens = prompt(12, seed=1)
     try:
         assert worker.engine.with_draft
-        runner = worker.engine.runner = _DraftWatchingRunner(worker.runner, link)
+        runner = worker.engine.runner = DraftWatchingRunner(worker.runner, link)
         worker.dispatch(Req("a", pack_ids(tokens), {"max_new_tokens": 6}, prefill="",
                             prefill_addr="", decode="c0"))
         while not any(isinstance(m, Done) for m in link.sent):

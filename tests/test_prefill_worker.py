@@ -35,7 +35,7 @@ from common.request import ReqState
 from prefill_node.busy import BusyTime
 from prefill_node.worker import PrefillWorker
 from tests.fakes import FakeLink
-from tests.model_helpers import prompt
+from tests.model_helpers import DraftWatchingRunner, prompt
 from transport import EventKind, KvReceiver, TransportConfig
 
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=64, chunk_size=8,
@@ -193,8 +193,6 @@ def test_busy_time_is_the_union_of_windows_in_bounded_memory():
     assert gappy.num_spans <= 1 and gappy.seconds == 6 + 500
 
 
-
-
 def test_a_worker_that_lost_its_router_ends_its_requests_keeps_its_pool_and_rejoins(
         prefill, tmp_path):
     worker, link = prefill
@@ -253,21 +251,6 @@ def test_a_failing_prefill_pass_fails_its_requests_alone(prefill, tmp_path):
     assert _frees(tmp_path) == [("a", "error"), ("b", "error"), ("c", "aborted")]
 
 
-class _DraftWatchingRunner(ModelRunner):
-    """A runner that notes, as each draft pass starts, which first tokens the router
-    has heard by then."""
-
-    def __init__(self, model, cache, draft, link: FakeLink) -> None:
-        super().__init__(model, cache, draft)
-        self.link, self.heard_at_draft = link, []
-
-    def forward(self, items, draft: bool = False):
-        if draft:
-            self.heard_at_draft.append([m.rid for m in self.link.sent
-                                        if isinstance(m, Tokens) and m.first])
-        return super().forward(items, draft=draft)
-
-
 def test_the_first_token_goes_to_the_router_before_the_draft_pass(tmp_path, model):
     # the first token depends on the target's logits alone: the client's TTFT does not
     # wait for the draft model's pass (before, Tokens went out after it)
@@ -278,8 +261,7 @@ def test_the_first_token_goes_to_the_router_before_the_draft_pass(tmp_path, mode
     worker.start(cfg)
     try:
         assert worker.engine.with_draft
-        runner = worker.engine.runner = _DraftWatchingRunner(
-            worker.runner.model, worker.cache, worker.runner.draft, link)
+        runner = worker.engine.runner = DraftWatchingRunner(worker.runner, link)
         tokens = prompt(12, seed=1)
         worker.dispatch(_req("a", tokens))
         worker.tick()                              # positions 0-8: no first token yet
