@@ -69,9 +69,6 @@ class PeerTable:
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._peers)
 
-    def get(self, key: bytes) -> Peer | None:
-        return self._peers.get(key)
-
     def values(self):
         return self._peers.values()
 
