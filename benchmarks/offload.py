@@ -82,22 +82,31 @@ def _scatter_pool(cache: KvCache, num_pages: int, seed: int) -> None:
         cache.close_row(rows[i])
 
 
-def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) -> dict:
+def _setup(num_pages: int, device: torch.device, scattered: bool):
+    """A pool with a committed ``src`` row of random KV (its pages in random order when
+    ``scattered``), a host tier and offloader for it, and the plain copy's destination."""
     tokens = num_pages * PAGE_SIZE
     cache = KvCache(2 * num_pages + 1, PAGE_SIZE, layout=LAYOUT, device=device,
                     max_rows=2 * num_pages + 2)
-    if name == "scattered":
+    if scattered:
         _scatter_pool(cache, 2 * num_pages, seed=0)
     host = HostTier(num_pages + 1, PAGE_SIZE, LAYOUT, device=device)
     off = Offloader(cache, host)
-    src, dst = cache.open_row("src"), cache.open_row("dst")
-    for kv in (src, dst):
-        cache.extend(kv, tokens)
+    src = cache.open_row("src")
+    cache.extend(src, tokens)
     cache.commit(src, tokens)
     pages = cache.pages(src, 0, tokens)
     cache.data()[pages] = torch.randn((num_pages, *LAYOUT.page_shape(PAGE_SIZE)),
                                       device=device).to(LAYOUT.torch_dtype)
     plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
+    return cache, host, off, src, pages, plain_dst
+
+
+def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) -> dict:
+    tokens = num_pages * PAGE_SIZE
+    cache, host, off, src, pages, plain_dst = _setup(num_pages, device, name == "scattered")
+    dst = cache.open_row("dst")
+    cache.extend(dst, tokens)
     offload_s, load_s, plain_s = [], [], []
     for r in range(repeats + 1):  # the first round warms up and is dropped
         tries = []
@@ -130,18 +139,7 @@ def bench_case(name: str, num_pages: int, repeats: int, device: torch.device) ->
 def split(num_pages: int, repeats: int, device: torch.device) -> dict[str, list[float]]:
     """Milliseconds of each part of a scattered offload, interleaved, per round."""
     tokens = num_pages * PAGE_SIZE
-    cache = KvCache(2 * num_pages + 1, PAGE_SIZE, layout=LAYOUT, device=device,
-                    max_rows=2 * num_pages + 2)
-    _scatter_pool(cache, 2 * num_pages, seed=0)
-    host = HostTier(num_pages + 1, PAGE_SIZE, LAYOUT, device=device)
-    off = Offloader(cache, host)
-    src = cache.open_row("src")
-    cache.extend(src, tokens)
-    cache.commit(src, tokens)
-    pages = cache.pages(src, 0, tokens)
-    cache.data()[pages] = torch.randn((num_pages, *LAYOUT.page_shape(PAGE_SIZE)),
-                                      device=device).to(LAYOUT.torch_dtype)
-    plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
+    cache, host, off, src, pages, plain_dst = _setup(num_pages, device, scattered=True)
     host_pages = np.arange(1, num_pages + 1)
     parts: dict[str, list[float]] = {}
     marks: list[float] = []
