@@ -5,14 +5,15 @@ exit status: 0 after a clean shutdown, 3 when the router was lost, 4 when a free
 could not write and ``freelog_on_error`` is ``exit``, 2 when its keys are unusable or it
 may not bind where asked (said in one line), 1 on an error (logged with its
 traceback). SIGTERM and SIGINT end the loop through the same clean path: rows
-freed, free log closed.
+freed, free log closed; one that comes while a step runs waits for the step's end
+(``common.node.stop_signals``), so no cache operation or tensor-parallel broadcast is
+cut in two.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 from pathlib import Path
 
@@ -24,12 +25,8 @@ logger = logging.getLogger(__name__)
 def _setup(args: argparse.Namespace) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    from common.node import setup_process
+    from common.node import setup_process, stop_signals
+    stop_signals.install()  # SIGTERM: SystemExit(143), after the step under way if any
     setup_process(getattr(args, "threads", 1))
 
 

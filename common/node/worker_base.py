@@ -36,6 +36,7 @@ from common.freelog import configure as configure_freelog
 from common.freelog import log_problems
 from common.kv import KvCache
 from common.model import Model, ModelRunner, RankPins
+from common.node import stop_signals
 from common.node.auth import INSECURE, PlaneAuth, control_client
 from common.node.control import (
     Abort,
@@ -215,7 +216,8 @@ class WorkerBase(ABC):
     def _loop(self) -> None:
         while not self.stopping:
             try:
-                self.poll_control()
+                with stop_signals.held():
+                    self.poll_control()
             except RouterLost as exc:
                 self._rejoin(exc)
                 continue
@@ -227,10 +229,11 @@ class WorkerBase(ABC):
 
     def _tick(self) -> bool:
         try:
-            busy = self.tick()
-            if self.lockstep is not None:
-                self.lockstep.keepalive()  # followers hear from rank 0 all the same
-            self._heartbeat()  # a group lost meanwhile is handled as in tick
+            with stop_signals.held():  # a SIGTERM never cuts a step (or its broadcast) in two
+                busy = self.tick()
+                if self.lockstep is not None:
+                    self.lockstep.keepalive()  # followers hear from rank 0 all the same
+                self._heartbeat()  # a group lost meanwhile is handled as in tick
             return busy
         except GroupLost as exc:  # a rank died: the whole group goes, its requests fail
             logger.error("%s: tensor-parallel group lost: %s", self.name, exc)
@@ -294,7 +297,8 @@ class WorkerBase(ABC):
             raise lost
         logger.warning("%s; ending every request and registering again for up to %.0f s",
                        lost, grace)
-        self.abandon(f"{self.name} lost its router ({lost}); retry the request")
+        with stop_signals.held():
+            self.abandon(f"{self.name} lost its router ({lost}); retry the request")
         deadline, next_try = time.monotonic() + grace, 0.0
         while (now := time.monotonic()) < deadline and not self.stopping:
             if now >= next_try:
@@ -304,7 +308,8 @@ class WorkerBase(ABC):
                 if isinstance(msg, Registered):
                     self._rejoined(msg)
                     return
-            self.tick()  # the KV plane lives on: peers' leases, copies and pins
+            with stop_signals.held():
+                self.tick()  # the KV plane lives on: peers' leases, copies and pins
             wait_any([*self.link.sockets(), *self.sockets()], 0.05)
         if not self.stopping:
             raise RouterLost(f"{self.name}: no router took this worker back within "
