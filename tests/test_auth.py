@@ -78,6 +78,16 @@ def _client(ctx, plane: PlaneAuth | None, address: str):
     return sock, mon
 
 
+def _send_unchecked(sock: zmq.Socket, data: bytes) -> None:
+    """Send on a client whose handshake is about to fail: once it failed, ZMQ drops the
+    connection's queue and a DEALER has none left, so a blocking send would wait forever
+    (``zmq.Again`` without blocking: nothing was sent, as the test wants)."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def _close(*socks):
     for s in socks:
         s.close(0)
@@ -160,7 +170,7 @@ def test_an_unauthenticated_socket_gets_nothing_through(keydir, ctx):
     server = Server(ctx, auth.control_server(keys.Keys(keydir)))
     sock, mon = _client(ctx, None, server.address)   # NULL mechanism, no keys at all
     try:
-        sock.send(b"shutdown")
+        _send_unchecked(sock, b"shutdown")
         assert _handshake_failure(sock, mon) == "HANDSHAKE_FAILED_PROTOCOL"
         assert server.recv(timeout_ms=200) is None
     finally:
@@ -177,7 +187,7 @@ def test_an_unknown_key_is_refused_and_counted(keydir, ctx, tmp_path):
                       k.public("router"))
     sock, mon = _client(ctx, plane, server.address)
     try:
-        sock.send(b"register")
+        _send_unchecked(sock, b"register")
         assert _handshake_failure(sock, mon) == "HANDSHAKE_FAILED_AUTH"
         assert server.recv(timeout_ms=200) is None
         assert server.guard.refused == 1
@@ -192,7 +202,7 @@ def test_a_client_refuses_a_server_with_the_wrong_key(keydir, ctx, tmp_path):
     sock, mon = _client(ctx, auth.control_client(keys.Keys(keydir), "worker"),
                         impostor.address)
     try:
-        sock.send(b"register")   # would carry the worker's secrets to the impostor
+        _send_unchecked(sock, b"register")   # would carry the worker's secrets to the impostor
         assert _handshake_failure(sock, mon).startswith("HANDSHAKE_FAILED")
         assert impostor.recv(timeout_ms=200) is None
     finally:
@@ -216,7 +226,7 @@ def test_kv_plane_credentials_round_trip_and_authenticate(ctx, mechanism):
     try:
         ok.send(b"hello")
         assert server.recv() == (auth.KV_USER, b"hello")
-        bad.send(b"hello")
+        _send_unchecked(bad, b"hello")
         assert _handshake_failure(bad, mon_bad).startswith("HANDSHAKE_FAILED")
         assert server.recv(timeout_ms=200) is None
         assert server.guard.refused == 1

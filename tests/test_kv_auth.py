@@ -214,3 +214,40 @@ def test_an_announce_made_while_the_handshake_runs_keeps_its_capability(plane):
                            for e in plane.tx_events))
     plane.pc.free_kv_row(kv_p, [(0, 17)], reason="sent")
     plane.pc.close_row(kv_p)
+
+
+
+def test_a_decode_whose_connection_was_refused_never_blocks_on_a_send(tmp_path):
+    """The prefill dies without a word and a server that refuses this decode's key binds
+    its address (it holds the plane's server keys, so the handshake gets as far as ZAP).
+    The decode's DEALER reconnects there and is refused; libzmq then drops that
+    connection for good instead of reconnecting, and a blocking send (the next
+    heartbeat) would wait forever. The decode goes on polling and declares the peer
+    lost at its lease."""
+    import dataclasses
+
+    import zmq
+
+    plane = Plane(tmp_path)
+    rx, _ = plane.decode("d0")
+    plane.tx.link.router.close()  # the prefill's process is gone: no Bye
+    other = zmq.Context()
+    refusing = other.socket(zmq.ROUTER)
+    refusing.linger = 0
+    someone = new_kv_plane("curve")
+    guard = dataclasses.replace(plane.auth, allowed=((someone.public, "someone"),)).serve(
+        refusing, plane.tx.address)
+    try:
+        lost, deadline = [], time.monotonic() + 10.0
+        while not lost and time.monotonic() < deadline:
+            lost = [e for e in rx.poll(0.05) if e.kind == EventKind.PEER_LOST]
+        assert lost, "the decode did not declare the prefill lost within 10 s"
+        assert rx.stats["msgs_unsent"] >= 1  # a heartbeat met the dropped connection
+        assert guard.refused >= 1
+    finally:
+        refusing.close(0)
+        guard.close()
+        other.term()
+        for peer in list(plane.tx.peers.values()):  # no Bye from a process that is gone
+            plane.tx.peers.mark_lost(peer, "gone")
+        plane.close()

@@ -67,6 +67,7 @@ class ReceiverLink:
         self._ctx, self.auth = ctx, auth
         self.sockets: dict[bytes, DealerSocket] = {}
         self.paths: dict[bytes, str] = {}   # peer -> data path: nixl, shm, tcp or ipc
+        self._unreachable: set[bytes] = set()  # peers a send found without a connection
         self.groups: dict[int, list[Peer]] = {}
         """The ranks of each group that joined, by group id (a lost rank stays here, marked
         lost, until its group is connected afresh)."""
@@ -300,11 +301,22 @@ class ReceiverLink:
         self.send(key, count_error(self.stats, self.config.node, who, exc))
 
     def send(self, key: bytes, msg: Message) -> bool:
-        """Send one control message; False when we hold no socket to ``key``."""
+        """Send one control message; False when we hold no socket to ``key`` or ZMQ holds
+        no connection behind it."""
         sock = self.sockets.get(key)
         if sock is None:
             return False
-        sock.send([encode(msg)])
+        try:
+            sock.send([encode(msg)])
+        except zmq.Again:  # its handshake was refused: the peer's lease ends it
+            self.stats["msgs_unsent"] += 1
+            if key not in self._unreachable:
+                self._unreachable.add(key)
+                logger.warning("%s: %s not sent: ZMQ holds no connection to %s any more "
+                               "(its handshake was refused: other KV keys there?); the "
+                               "peer's lease ends it", self.config.node,
+                               type(msg).__name__, sock.address)
+            return False
         self.stats["msgs_sent"] += 1
         return True
 
@@ -317,6 +329,7 @@ class ReceiverLink:
             self._poller.unregister(sock.sock)
             sock.close()
         self.paths.pop(key, None)
+        self._unreachable.discard(key)
 
     def close(self) -> None:
         """Close every socket (``linger=0``)."""

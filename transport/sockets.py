@@ -99,7 +99,15 @@ class DealerSocket:
         auth.connect(self.sock, address)
 
     def send(self, frames: list, track: bool = False) -> zmq.MessageTracker | None:
-        return self.sock.send_multipart(frames, copy=False, track=track)
+        """Queue ``frames`` (the queue is unbounded, so this never waits).
+
+        Raises:
+            zmq.Again: ZMQ holds no connection to the prefill any more. After a refused
+                handshake (the address now presents other CURVE keys) libzmq drops the
+                connection for good instead of reconnecting; a blocking send would then
+                wait forever.
+        """
+        return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
 
     def recv_nowait(self) -> list[zmq.Frame] | None:
         """The next message's frames, or ``None`` when nothing is queued."""
