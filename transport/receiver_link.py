@@ -308,13 +308,13 @@ class ReceiverLink:
             return False
         try:
             sock.send([encode(msg)])
-        except zmq.Again:  # its handshake was refused: the peer's lease ends it
+        except zmq.Again:  # ZAP refused its reconnect: the peer's lease ends it
             self.stats["msgs_unsent"] += 1
             if key not in self._unreachable:
                 self._unreachable.add(key)
                 logger.warning("%s: %s not sent: ZMQ holds no connection to %s any more "
-                               "(its handshake was refused: other KV keys there?); the "
-                               "peer's lease ends it", self.config.node,
+                               "(the server there refused this decode's KV credentials); "
+                               "the peer's lease ends it", self.config.node,
                                type(msg).__name__, sock.address)
             return False
         self.stats["msgs_sent"] += 1

@@ -102,10 +102,9 @@ class DealerSocket:
         """Queue ``frames`` (the queue is unbounded, so this never waits).
 
         Raises:
-            zmq.Again: ZMQ holds no connection to the prefill any more. After a refused
-                handshake (the address now presents other CURVE keys) libzmq drops the
-                connection for good instead of reconnecting; a blocking send would then
-                wait forever.
+            zmq.Again: ZMQ holds no connection to the prefill any more. After the
+                server refused our credentials (ZAP) libzmq drops the connection for
+                good instead of reconnecting; a blocking send would then wait forever.
         """
         return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
 
