@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,15 @@ def test_the_checker_catches_an_upward_or_past_the_face_import(tmp_path, source,
     bad.write_text(source)
     found = _violations(bad, root=tmp_path)
     assert found and expected in found[0], found
+
+
+def test_the_router_and_the_command_line_start_without_torch():
+    """Importing torch costs 1.5-2 s of CPU; the router, ``pdkv keys`` and ``pdkv replay``
+    use none of it, so the faces read their torch-bound modules on first use
+    (common/lazy.py). A module-level torch import below any of these breaks it."""
+    code = ("import sys, deploy.router, deploy.cli, common.freelog.cli, common.node.keys, "
+            "common.config; sys.exit(sorted(m for m in sys.modules if m.split('.')[0] == "
+            "'torch')[:1] or None)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, f"torch was imported: {done.stderr.strip()}"

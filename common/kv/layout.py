@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "float64": torch.float64}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+"""The KV and weight dtypes pdkv serves, by name, and the bytes of one element."""
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (one of ``DTYPE_BYTES``). torch is imported here, not
+    at the top: the router and the command line read layouts and configs without it."""
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -33,8 +43,8 @@ class KvLayout:
     """Draft-model layers stored in the same pages after the target's layers."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"KvLayout.dtype={self.dtype!r}; allowed: {sorted(_DTYPES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KvLayout.dtype={self.dtype!r}; allowed: {sorted(DTYPE_BYTES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KvLayout.{name}={getattr(self, name)} must be >= 1")
@@ -43,7 +53,7 @@ class KvLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return dtype_of(self.dtype)
 
     @property
     def total_layers(self) -> int:
@@ -54,7 +64,7 @@ class KvLayout:
 
     def page_bytes(self, page_size: int) -> int:
         n = self.total_layers * 2 * page_size * self.num_kv_heads * self.head_dim
-        return n * torch.tensor([], dtype=self.torch_dtype).element_size()
+        return n * DTYPE_BYTES[self.dtype]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,29 +1,26 @@
 """The model: configs, checkpoints, the Llama-style decoder, the paged runner, sampling,
 the reference."""
 
+from common.lazy import lazy_names
 from common.model.builtin_text import write_builtin_tokenizer
-from common.model.checkpoint import checkpoint_tensors, write_checkpoint
 from common.model.config import ARCHITECTURES, CONFIGS, ModelConfig, get_config
-from common.model.export import export_builtin
 from common.model.hf_config import UnsupportedModel, load_config
-from common.model.model import Model, load_weights
-from common.model.reference import generate_greedy
-from common.model.runner import BatchItem, ModelRunner
-from common.model.sampling import sample
-from common.model.seeded import seeded_tensors
 from common.model.text import Detokenizer, StopStrings
 from common.model.tokenizer import Tokenizer
-from common.model.tp import TpModel, shard_config
-from common.model.tp_lockstep import (
-    TAG_CONFIG,
-    TAG_STEP,
-    LeaderKvCache,
-    LeaderRunner,
-    Lockstep,
-    RankPins,
-    RankReport,
-)
-from common.model.tp_mirror import Mirror, RankTransfer
+
+# the modules that import torch: read on first use (common/lazy.py)
+__getattr__ = lazy_names(__name__, {
+    "checkpoint_tensors": "common.model.checkpoint", "write_checkpoint": "common.model.checkpoint",
+    "export_builtin": "common.model.export",
+    "Model": "common.model.model", "load_weights": "common.model.model",
+    "generate_greedy": "common.model.reference",
+    "BatchItem": "common.model.runner", "ModelRunner": "common.model.runner",
+    "sample": "common.model.sampling",
+    "seeded_tensors": "common.model.seeded",
+    "TpModel": "common.model.tp", "shard_config": "common.model.tp",
+    **dict.fromkeys(["TAG_CONFIG", "TAG_STEP", "LeaderKvCache", "LeaderRunner", "Lockstep",
+                     "RankPins", "RankReport"], "common.model.tp_lockstep"),
+    "Mirror": "common.model.tp_mirror", "RankTransfer": "common.model.tp_mirror"})
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "LeaderKvCache",
            "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankReport", "RankTransfer",

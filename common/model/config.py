@@ -4,13 +4,13 @@ come from (a checkpoint directory or a seed) and the built-in configs."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+from common.kv import DTYPE_BYTES, KvLayout, dtype_of
 
-from common.kv import KvLayout
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "float64": torch.float64}
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 """Hugging Face architectures pdkv serves (all Llama-style decoders)."""
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -83,8 +83,8 @@ class ModelConfig:
     """Checkpoint directory the weights load from; empty: drawn from ``seed``."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {sorted(_DTYPES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPE_BYTES)}")
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                       "head_dim", "intermediate_size", "max_position"):
             if getattr(self, field) < 1:
@@ -127,7 +127,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return dtype_of(self.dtype)
 
     def kv_layout(self, with_draft: bool = True) -> KvLayout:
         """The KV pool layout this model reads and writes; draft layers follow the target's."""

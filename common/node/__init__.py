@@ -2,6 +2,7 @@
 shell, and how sockets authenticate (keys.py: a deployment's key directory; auth.py:
 CURVE/ZAP)."""
 
+from common.lazy import lazy_names
 from common.node.auth import (
     CONTROL_DOMAIN,
     INSECURE,
@@ -50,8 +51,11 @@ from common.node.keys import create as create_keys
 from common.node.keys import export as export_keys
 from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
 from common.node.registration import RouterLost
-from common.node.tp_worker import RankSetup, TpSpec, role_tp, run_follower
-from common.node.worker_base import FreeLogFailed, WorkerBase, setup_process
+
+# the modules that import torch: read on first use (common/lazy.py)
+__getattr__ = lazy_names(__name__, {
+    **dict.fromkeys(["RankSetup", "TpSpec", "role_tp", "run_follower"], "common.node.tp_worker"),
+    **dict.fromkeys(["FreeLogFailed", "WorkerBase", "setup_process"], "common.node.worker_base")})
 
 __all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink", "Done",
            "Error", "FreeLogFailed", "Hub", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys",
