@@ -48,10 +48,11 @@ from benchmarks.serve import records_of
 from common.config import ServeConfig
 from common.node import Keys, create_keys
 from deploy.client import Client
+from deploy.config_args import config_from_args
 from deploy.driver import drive
 from deploy.http.process import ServerProcess, frontend_process
 from deploy.launcher import Cluster
-from deploy.run import config_from_args, workload_from_args
+from deploy.run import workload_from_args
 from deploy.workload import make_workload
 
 TTFT_GOAL_MS = 1.0

@@ -41,10 +41,11 @@ import zmq
 from benchmarks.goals import Goals
 from common import trace
 from common.config import ServeConfig
+from deploy.config_args import config_from_args
 from deploy.driver import Result, drive
 from deploy.launcher import Cluster
 from deploy.routes import label_of
-from deploy.run import config_from_args, workload_from_args
+from deploy.run import workload_from_args
 from deploy.workload import WorkRequest, make_workload
 
 BUDGET_MS = 1.0

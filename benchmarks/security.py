@@ -28,9 +28,10 @@ import sys
 from dataclasses import replace
 
 from benchmarks.goals import Goals
+from deploy.config_args import config_from_args
 from deploy.driver import drive
 from deploy.launcher import Cluster
-from deploy.run import config_from_args, workload_from_args
+from deploy.run import workload_from_args
 from deploy.summary import pct
 from deploy.workload import make_workload
 

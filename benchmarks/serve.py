@@ -26,9 +26,10 @@ import sys
 from dataclasses import replace
 
 from benchmarks.http_client import Record, Target, run, summarize_records
+from deploy.config_args import config_from_args
 from deploy.driver import Result, drive
 from deploy.launcher import Cluster
-from deploy.run import config_from_args, workload_from_args
+from deploy.run import workload_from_args
 from deploy.workload import WorkloadSpec, make_workload
 
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",

@@ -25,14 +25,13 @@ logger = logging.getLogger(__name__)
 def _setup(args: argparse.Namespace) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from common.node import setup_process, stop_signals
+    from common.node import stop_signals
     stop_signals.install()  # SIGTERM: SystemExit(143), after the step under way if any
-    setup_process(getattr(args, "threads", 1))
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
     """``--config FILE.json`` or ``--config-json JSON`` (as ``pdkv run``), else the default."""
-    from deploy.run import config_from_args
+    from deploy.config_args import config_from_args
 
     return config_from_args(args) if getattr(args, "config", None) or \
         getattr(args, "config_json", None) else DEFAULT
@@ -59,7 +58,16 @@ def run_router(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
     _setup(args)
-    from common.node import FreeLogFailed, InsecureBind, KeysError, RouterLost, TpSpec, run_follower
+    from common.node import (
+        FreeLogFailed,
+        InsecureBind,
+        KeysError,
+        RouterLost,
+        TpSpec,
+        run_follower,
+        setup_process,
+    )
+    setup_process(getattr(args, "threads", 1))  # torch threads: only workers import torch
     from deploy.run import check_devices
     check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"

@@ -91,9 +91,10 @@ def test_the_router_and_the_command_line_start_without_torch():
     """Importing torch costs 1.5-2 s of CPU; the router, ``pdkv keys`` and ``pdkv replay``
     use none of it, so the faces read their torch-bound modules on first use
     (common/lazy.py). A module-level torch import below any of these breaks it."""
-    code = ("import sys, deploy.router, deploy.cli, common.freelog.cli, common.node.keys, "
-            "common.config; sys.exit(sorted(m for m in sys.modules if m.split('.')[0] == "
-            "'torch')[:1] or None)")
+    code = ("import argparse, sys, deploy.router, deploy.cli, deploy.processes, "
+            "common.freelog.cli, common.node.keys; from deploy.config_args import "
+            "config_from_args; config_from_args(argparse.Namespace(config_json='{}')); "
+            "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1] or None)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, f"torch was imported: {done.stderr.strip()}"

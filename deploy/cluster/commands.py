@@ -50,8 +50,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     """``pdkv serve --cluster ray``: exit 0 clean, 1 a free-log violation, 2 a process
     died or did not start."""
     from deploy.cluster.ray_launch import RayCluster
+    from deploy.config_args import config_from_args
     from deploy.launcher import WorkerDied
-    from deploy.run import config_from_args, replay_all
+    from deploy.run import replay_all
 
     cfg = config_from_args(args)
     fe = ["--max-waiting", str(args.max_waiting), "--router-timeout-s",

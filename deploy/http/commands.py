@@ -93,8 +93,9 @@ def serve_main(args: argparse.Namespace) -> int:
     The router runs in this process's event loop (``deploy.http.hosted``) unless
     ``--router-process`` asks for its own process (then the front door connects to it
     as ``pdkv frontend`` does)."""
+    from deploy.config_args import config_from_args
     from deploy.launcher import Cluster, WorkerDied
-    from deploy.run import config_from_args, replay_all
+    from deploy.run import replay_all
 
     _setup_logging(args.log_level)
     if args.cluster == "ray":  # the front door runs as a Ray actor too
