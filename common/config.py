@@ -279,6 +279,10 @@ class ServeConfig:
         return KvLayout(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads,
                         head_dim=t.head_dim, dtype=t.dtype, num_draft_layers=num_draft)
 
+    def role_tp(self, role: str) -> int:
+        """Tensor-parallel ranks a worker of ``role`` has (a colocated worker: the decode's)."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
     def pool_tokens(self, role: str) -> int:
         """Tokens one row of a ``role`` ('prefill' or 'decode') pool can hold at most."""
         pages = self.prefill_pages if role == "prefill" else self.decode_pages

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ServeConfig
-from common.node import Keys, create_keys, role_tp
+from common.node import Keys, create_keys
 from deploy.client import Client
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Cluster:
                  [("colocated", f"colocated{i}") for i in range(num_decode)])
         device = 0  # every rank of every worker gets the next device, round-robin
         for role, name in roles:
-            tp = role_tp(self.config, role)
+            tp = self.config.role_tp(role)
             ranks = [] if tp == 1 else ["--tp-size", str(tp), "--tp-address",
                                         self._tp_address(), "--tp-timeout-s",
                                         str(self.config.tp_timeout_s)]

@@ -28,6 +28,8 @@ def check_devices(devices: list[str]) -> None:
     Raises:
         ConfigError: naming the device and what the machine has.
     """
+    if all(dev == "cpu" for dev in devices):
+        return  # nothing to check, and no torch to import for it: the launcher needs none
     import torch
 
     for dev in devices:

@@ -88,12 +88,14 @@ def test_the_checker_catches_an_upward_or_past_the_face_import(tmp_path, source,
 
 
 def test_the_router_and_the_command_line_start_without_torch():
-    """Importing torch costs 1.5-2 s of CPU; the router, ``pdkv keys`` and ``pdkv replay``
-    use none of it, so the faces read their torch-bound modules on first use
-    (common/lazy.py). A module-level torch import below any of these breaks it."""
-    code = ("import argparse, sys, deploy.router, deploy.cli, deploy.processes, "
+    """Importing torch costs 1.5-2 s of CPU; the router, ``pdkv run``'s launcher, ``pdkv
+    keys`` and ``pdkv replay`` use none of it, so the faces read their torch-bound modules
+    on first use (common/lazy.py). A module-level torch import below any of these breaks
+    it."""
+    code = ("import argparse, sys, deploy.router, deploy.cli, deploy.processes, deploy.run, "
             "common.freelog.cli, common.node.keys; from deploy.config_args import "
             "config_from_args; config_from_args(argparse.Namespace(config_json='{}')); "
+            "deploy.run.check_devices(['cpu']); "
             "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1] or None)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)

@@ -54,7 +54,7 @@ from common.node.registration import RouterLost
 
 # the modules that import torch: read on first use (common/lazy.py)
 __getattr__ = lazy_names(__name__, {
-    **dict.fromkeys(["RankSetup", "TpSpec", "role_tp", "run_follower"], "common.node.tp_worker"),
+    **dict.fromkeys(["RankSetup", "TpSpec", "run_follower"], "common.node.tp_worker"),
     **dict.fromkeys(["FreeLogFailed", "WorkerBase", "setup_process"], "common.node.worker_base")})
 
 __all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink", "Done",
@@ -65,4 +65,4 @@ __all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink
            "Scalar", "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport", "Submit",
            "Tokens", "TpSpec", "WorkerBase", "add_key", "check_bind", "control_client",
            "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
-           "principal", "role_of", "role_tp", "run_follower", "setup_process", "wait_any"]
+           "principal", "role_of", "run_follower", "setup_process", "wait_any"]

@@ -70,11 +70,6 @@ class TpSpec:
             raise ValueError("--tp-size > 1 needs --tp-address tcp://HOST:PORT (rank 0's host)")
 
 
-def role_tp(config: ServeConfig, role: str) -> int:
-    """Ranks a worker of ``role`` has in ``config``."""
-    return config.prefill_tp if role == "prefill" else config.decode_tp
-
-
 def freelog_path(log_dir: str | None, name: str, rank: int) -> str | None:
     if not log_dir:
         return None
@@ -97,9 +92,9 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
         ValueError: the group's size is not the config's (``prefill_tp``/``decode_tp``).
         GroupLost: a rank did not join within ``tp_timeout_s``.
     """
-    if spec.size != role_tp(config, role):
+    if spec.size != config.role_tp(role):
         raise ValueError(f"{name}: started with --tp-size {spec.size}, the deployment's "
-                         f"config has {role_tp(config, role)} rank(s) for a {role} worker")
+                         f"config has {config.role_tp(role)} rank(s) for a {role} worker")
     group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s)
     shared = shared_memory and torch.device(device).type == "cpu"
     setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,

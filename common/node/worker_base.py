@@ -56,7 +56,7 @@ from common.node.keys import Keys
 from common.node.link import ControlLink, Link, wait_any
 from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp_metrics import rank_stats
-from common.node.tp_worker import TpSpec, check_draft_split, leader_cache, role_tp
+from common.node.tp_worker import TpSpec, check_draft_split, leader_cache
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
@@ -172,7 +172,7 @@ class WorkerBase(ABC):
         into it directly); ignored for device pools."""
         cfg = self.config
         check_draft_split(cfg, self.role)
-        if self.tp is not None or role_tp(cfg, self.role) > 1:
+        if self.tp is not None or cfg.role_tp(self.role) > 1:
             return self._make_tp_cache(num_pages, shared_memory)
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
@@ -192,7 +192,7 @@ class WorkerBase(ABC):
                        ) -> tuple[Model, KvCache, ModelRunner]:
         if self.tp is None:
             raise ValueError(f"{self.name}: the deployment runs {self.role} workers with "
-                             f"{role_tp(self.config, self.role)} tensor-parallel ranks; start "
+                             f"{self.config.role_tp(self.role)} tensor-parallel ranks; start "
                              "this one with --tp-size/--tp-rank/--tp-address")
         kv_auth = self.kv_auth.to_dict() if self.deployment else {}
         model, cache, runner = leader_cache(self.tp, self.role, self.name, self.config,
