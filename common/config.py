@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from common.kv import KvLayout
+from common.kv import DTYPE_BYTES, KvLayout
 from common.model import CONFIGS, ModelConfig, UnsupportedModel, get_config, load_config
 
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TRANSPORTS = ("ipc", "tcp")
 _FREELOG_POLICIES = ("pause", "exit")
 _KV_TRANSPORTS = ("zmq", "nixl", "auto")
@@ -151,8 +150,9 @@ class ServeConfig:
         if self.model not in CONFIGS and not self.model_path:
             raise ValueError(f"model={self.model!r}; allowed: {sorted(CONFIGS)}, or a "
                              "checkpoint directory in model_path")
-        if self.dtype and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: '' (model's own) or {_DTYPES}")
+        if self.dtype and self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: '' (model's own) or "
+                             f"{tuple(DTYPE_BYTES)}")
         self._check_models()
         if self.transport not in _TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; allowed: {_TRANSPORTS}")
