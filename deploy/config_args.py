@@ -1,8 +1,8 @@
 """A deployment's ``ServeConfig`` from the command line: the embedded default, then
 ``--config FILE.json`` or ``--config-json JSON``, then individual flags.
 
-Its own module (not ``deploy/run.py``): the router reads its config here, and importing
-the launcher would cost it torch.
+Its own module (not ``deploy/run.py``): the router reads its config here without
+importing the launcher, the driver and the rest of ``pdkv run``.
 """
 
 from __future__ import annotations

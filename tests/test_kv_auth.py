@@ -4,11 +4,13 @@ Process-level attack stories: tests/test_attacks.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
+import zmq
 
 from common.node import InsecureBind, new_kv_plane
 from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
@@ -224,10 +226,6 @@ def test_a_decode_whose_connection_was_refused_never_blocks_on_a_send(tmp_path):
     connection for good instead of reconnecting, and a blocking send (the next
     heartbeat) would wait forever. The decode goes on polling and declares the peer
     lost at its lease."""
-    import dataclasses
-
-    import zmq
-
     plane = Plane(tmp_path)
     rx, _ = plane.decode("d0")
     plane.tx.link.router.close()  # the prefill's process is gone: no Bye

@@ -24,7 +24,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from common.kv import KvLayout, page_runs
+from common.kv import DTYPE_BYTES, KvLayout, page_runs
 
 from .messages import Hello
 
@@ -111,10 +111,9 @@ class PoolGeom:
         layout = KvLayout(num_layers=hello.num_layers, num_draft_layers=hello.num_draft_layers,
                           num_kv_heads=hello.total_kv_heads // hello.tp_size,
                           head_dim=hello.head_dim, dtype=hello.dtype)
-        itemsize = torch.tensor([], dtype=layout.torch_dtype).element_size()
         return cls(hello.nixl_mem, hello.nixl_addr, hello.nixl_dev, hello.nixl_pages,
                    layout.total_layers * 2 * hello.page_size, layout.num_kv_heads,
-                   hello.head_dim * itemsize)
+                   hello.head_dim * DTYPE_BYTES[layout.dtype])
 
 
 def run_descs(geom: PoolGeom, first_pages: list[int], lengths: list[int]) -> np.ndarray:
