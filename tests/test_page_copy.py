@@ -12,7 +12,7 @@ import torch
 from common.host import CopyEngine
 from common.kv import check_pages, copy_pages, copy_threads, page_runs, set_copy_threads
 from common.kv.copy_threads import _helpers
-from common.kv.page_copy import SPLIT_ABOVE_BYTES, _cut_runs, _guided_cuts
+from common.kv.page_copy import SPLIT_ABOVE_BYTES, _guided_cuts, _run_cuts, _segments
 
 
 def _reference(src, src_pages, dst, dst_pages, sh=slice(None), dh=slice(None)):
@@ -69,16 +69,18 @@ def test_page_ids_outside_either_pool_are_refused_before_any_copy(bad):
     check_pages(np.array([0, 15]), 16)
 
 
-def test_shares_shrink_as_they_are_taken_and_cut_runs_by_whole_pages_in_order():
+def test_shares_shrink_as_they_are_taken_and_are_copied_run_by_run():
     # 2 threads: each share about a quarter of what is left, at least 2 pages
     assert _guided_cuts(64, 2, 2) == [0, 16, 28, 37, 43, 48, 52, 55, 57, 59, 61, 63, 64]
     assert _guided_cuts(4, 2, 1) == [0, 1, 2, 3, 4]    # an 8 MiB frame of 2 MiB pages
     assert _guided_cuts(5, 2, 8) == [0, 5]             # never below the smallest share
-    runs = [(3, 7, 3), (9, 2, 1), (12, 20, 5)]                   # 9 pages
-    assert _cut_runs(runs, [0, 4, 7, 9]) == [[(3, 7, 3), (9, 2, 1)], [(12, 20, 3)],
-                                             [(15, 23, 2)]]
-    assert _cut_runs(runs, [0, 2, 9]) == [[(3, 7, 2)], [(5, 9, 1), (9, 2, 1), (12, 20, 5)]]
-    assert _cut_runs(runs, [0, 9]) == [runs]
+    # a share is copied per run of consecutive page ids: runs start at these offsets
+    assert _run_cuts(np.array([3, 4, 5, 9, 12, 13])).tolist() == [0, 3, 4, 6]
+    assert _run_cuts(np.array([7])).tolist() == [0, 1]
+    # shares [0, 4) [4, 6), runs [0, 3) [3, 4) [4, 6): every segment in one share and run
+    assert _segments([0, 4, 6], [0, 3, 4, 6]) == [[(0, 3), (3, 4)], [(4, 6)]]
+    assert _segments([0, 2, 6], [0, 3, 4, 6]) == [[(0, 2)], [(2, 3), (3, 4), (4, 6)]]
+    assert _segments([0, 6], []) == [[(0, 6)]]
 
 
 @pytest.fixture
@@ -89,8 +91,8 @@ def three_copy_threads():
     set_copy_threads(before)
 
 
-@pytest.mark.parametrize("page_kib", [16, 256])       # gathered below 32 KiB, else slices
-@pytest.mark.parametrize("case", ["dst runs", "both scattered", "one run"])
+@pytest.mark.parametrize("page_kib", [16, 256])       # gathered below 32 KiB, else by runs
+@pytest.mark.parametrize("case", ["dst runs", "src runs", "both scattered", "one run"])
 def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads, page_kib,
                                                              case):
     page = (2, 2, 4, 4, page_kib * 16)                # float16 numpy pools: the slice path
@@ -101,6 +103,7 @@ def test_large_cpu_copies_shared_over_threads_are_byte_exact(three_copy_threads,
     rng = np.random.default_rng(2)
     scattered = rng.permutation(np.arange(1, 2 * n + 2))[:n]
     src_pages, dst_pages = {"dst runs": (scattered, np.arange(5, 5 + n)),
+                            "src runs": (np.arange(5, 5 + n), scattered),
                             "both scattered": (scattered, scattered[::-1].copy()),
                             "one run": (np.arange(1, 1 + n), np.arange(n + 1, 2 * n + 1))}[case]
     want = dst.copy()
@@ -176,20 +179,20 @@ def test_a_waiter_copies_a_share_of_the_running_copy_in_a_busy_helpers_place(
     waiter takes a helper's queued share and copies it in its own thread."""
     import common.kv.page_copy as page_copy
     copied_by: list[str] = []
-    real = page_copy._slice_part
+    real = page_copy._copy_segments
     me = threading.current_thread().name
     joined = threading.Event()
 
-    def recording(src, dst, runs):
+    def recording(src, src_pages, dst, dst_pages, segments, how):
         name = threading.current_thread().name
         copied_by.append(name)
         if name == me:
             joined.set()
         else:   # the engine's thread holds its first piece until we joined (or 5 s), so
             joined.wait(5)   # however late this thread comes to wait, a piece is left
-        real(src, dst, runs)
+        real(src, src_pages, dst, dst_pages, segments, how)
 
-    monkeypatch.setattr(page_copy, "_slice_part", recording)
+    monkeypatch.setattr(page_copy, "_copy_segments", recording)
     release = threading.Event()
     held = [_helpers().submit(release.wait, 30) for _ in range(2)]
     engine = RecordingEngine()

@@ -10,16 +10,13 @@ page; with head slices it must be ``[pages, layers, 2, page_size, heads, ...]``.
     dst pages  7 8 9 2 | 3
 
 How each run moves (measured on a 2-core CPU; one frame or copy per run, never per page):
-- CPU to CPU: one numpy slice assignment per run (numpy releases the GIL), the pages
+- CPU to CPU: numpy calls that each release the GIL for many pages (a gather into each
+  run of destination pages, or a scatter from each run of source pages), the pages
   shared out over ``copy_threads()`` threads once a copy moves ``SPLIT_ABOVE_BYTES`` - as
-  torch's ``copy_`` shares a big block over its OpenMP team. On the 2-core box, 256
-  scattered 512 KiB pages moved at 1.26 GB/s on one thread and 1.64 on two, against 1.87
-  for a two-thread ``copy_`` of the same bytes in one block (load 8); a decode landing
-  8 MiB tcp frames kept pace with raw pyzmq on two (1.06-1.24x) and not on one
-  (0.57-0.69x, load 7) on 2026-12-01; on 2026-12-02 the helpers turned out to leave ZMQ's
-  next receive buffers fresh (every byte page-faulted again), so the transport lands
-  frames with ``split=False`` (docs/benchmarks.md). Torch copies of single runs are no
-  substitute: 0.2-0.6 GB/s.
+  torch's ``copy_`` shares a big block over its OpenMP team (``_run_shared`` has the
+  figures). The transport lands frames with ``split=False``: helper threads left ZMQ's
+  next receive buffers fresh, so every byte page-faulted again (docs/benchmarks.md).
+  Torch copies of single runs are no substitute: 0.2-0.6 GB/s.
   One run of one big block stays with torch when both sides are tensors.
 - Scattered small pages on one device: ``index_select(out=...)`` gathers at near memcpy
   speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
@@ -35,9 +32,9 @@ import torch
 from common.kv.copy_threads import copy_threads, run_pieces
 
 Pool = torch.Tensor | np.ndarray
-# Runs shorter than this on average are gathered and scattered in one pass; longer
-# ones are copied slice by slice. Measured on a 2-core CPU: per-slice copies of 16 KiB
-# pages ran at about 2 GB/s, of 64-512 KiB pages at 4-11 GB/s, while gather/scatter on
+# Runs shorter than this on average on both sides are gathered and scattered in one
+# pass; longer ones are copied run by run. Measured on a 2-core CPU: per-slice copies of
+# 16 KiB pages ran at about 2 GB/s, of 64-512 KiB pages at 4-11 GB/s, while gather/scatter on
 # an int64 view stayed near 2-3 GB/s whatever the page size.
 GATHER_BELOW_BYTES = 32 << 10
 # A CPU copy of at least this many bytes is shared out over ``copy_threads()`` threads;
@@ -79,38 +76,48 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
                non_blocking: bool = False, src_heads: slice | None = None,
                dst_heads: slice | None = None, split: bool = True) -> int:
     """``dst[dst_pages] = src[src_pages]`` (restricted to head slices when given),
-    coalesced into runs; page ids are checked first. Returns the number of runs.
+    coalesced into runs; page ids are checked first. Returns the number of runs. Within
+    one pool, the source and destination pages must not overlap (shares run at once).
     ``split=False`` keeps a CPU copy on the calling thread (no helper shares).
 
     Raises:
         IndexError: a page id outside its pool.
         ValueError: the page lists differ in length.
     """
-    check_pages(np.asarray(src_pages), src.shape[0], "source page")
-    check_pages(np.asarray(dst_pages), dst.shape[0], "destination page")
-    runs = page_runs(src_pages, dst_pages)
+    src_pages = np.asarray(src_pages, np.int64)
+    dst_pages = np.asarray(dst_pages, np.int64)
+    check_pages(src_pages, src.shape[0], "source page")
+    check_pages(dst_pages, dst.shape[0], "destination page")
+    num_runs = _num_runs(src_pages, dst_pages)
     if not (_all_heads(src, src_heads) and _all_heads(dst, dst_heads)):
         sh = slice(None) if src_heads is None else src_heads
         dh = slice(None) if dst_heads is None else dst_heads
-        for s, d, n in runs:
+        for s, d, n in page_runs(src_pages, dst_pages):
             _assign(dst[d:d + n, :, :, :, dh], src[s:s + n, :, :, :, sh], non_blocking)
-        return len(runs)
-    small = _small_runs(src, len(src_pages), len(runs))
+        return num_runs
+    small = _small_runs(src, len(src_pages), num_runs)
     numpy_pool = isinstance(src, np.ndarray) or isinstance(dst, np.ndarray)
-    if _both_cpu(src, dst) and (numpy_pool or (len(runs) > 1 and not small)):
-        src_np, dst_np = _byte_rows(src), _byte_rows(dst)
-        gather = small and len(runs) > 1  # many short runs: fancy-indexed gather + scatter
-        _run_shared(src_np, np.asarray(src_pages, np.int64), dst_np,
-                    np.asarray(dst_pages, np.int64), runs, gather, split)
-        return len(runs)
-    if len(runs) > 1 and src.device == dst.device and _int64_viewable(src) and (
-            small or len(page_runs(dst_pages)) * 4 <= len(dst_pages)):
-        _gather_copy(src, np.asarray(src_pages, np.int64), dst,
-                     np.asarray(dst_pages, np.int64))
-        return len(runs)
-    for s, d, n in runs:
+    if _both_cpu(src, dst) and (numpy_pool or (num_runs > 1 and not small)):
+        _run_shared(_byte_rows(src), src_pages, _byte_rows(dst), dst_pages, small, split)
+        return num_runs
+    if num_runs > 1 and src.device == dst.device and _int64_viewable(src) and (
+            small or (len(_run_cuts(dst_pages)) - 1) * 4 <= len(dst_pages)):
+        _gather_copy(src, src_pages, dst, dst_pages)
+        return num_runs
+    for s, d, n in page_runs(src_pages, dst_pages):
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
-    return len(runs)
+    return num_runs
+
+
+def _num_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
+    """How many runs ``page_runs`` would return, without building them (a 256-page copy
+    spent 0.17 ms on the tuples, most of the time before its first byte moved)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination "
+                         "pages")
+    if not len(src_pages):
+        return 0
+    return 1 + int(np.count_nonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)))
 
 
 def _all_heads(pool: Pool, heads: slice | None) -> bool:
@@ -168,10 +175,19 @@ def _int64_viewable(t: torch.Tensor) -> bool:
 
 
 def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
-                dst_pages: np.ndarray, runs: list[tuple[int, int, int]], gather: bool,
-                split: bool = True) -> None:
-    """Copy byte-row pages ``dst[dst_pages] = src[src_pages]`` (as ``runs``, or gathered
-    when ``gather``), shared out over ``copy_threads()`` threads by whole pages.
+                dst_pages: np.ndarray, small: bool, split: bool = True) -> None:
+    """Copy byte-row pages ``dst[dst_pages] = src[src_pages]``, shared out over
+    ``copy_threads()`` threads by whole pages, each share a list of segments that
+    ``_copy_segments`` moves.
+
+    In as few numpy calls as the runs allow, each releasing the GIL for all the pages it
+    moves (one slice assignment per page took the GIL back after every page): a gather
+    (``np.take(..., out=)``) straight into each run of destination pages, or, where the
+    source has fewer runs, a scatter (fancy assignment) from each run of source pages;
+    short runs on both sides (``small``): one gather-and-scatter per share. The runs are
+    found once per copy, not per share. Measured on the 2-core box (256 scattered 512 KiB
+    pages over 2 threads, interleaved with the slices they replaced, medians of 15-21
+    rounds): gathers 12.0-12.9 GB/s against 10.8-11.4, scatters 11.6-12.0 against 10.6-11.6.
 
     Shares shrink as they are taken (guided, like OpenMP's ``schedule(guided)``): each is
     about a ``2 * copy_threads()``-th of what is left, at least ``MIN_SHARE_BYTES``, and
@@ -179,28 +195,53 @@ def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
     then only takes fewer shares, where with one half each the copy waited for its whole
     half after the caller's was done; one not started when nothing is left is taken back
     (a busy machine's unscheduled thread holds nothing up)."""
-    total = len(src_pages) * src.shape[1]
-    if not split or copy_threads() < 2 or total < SPLIT_ABOVE_BYTES:
-        pieces = [(0, len(src_pages))] if gather else [runs]
+    n = len(src_pages)
+    if not split or copy_threads() < 2 or n * src.shape[1] < SPLIT_ABOVE_BYTES:
+        share_cuts = [0, n]
     else:
-        cuts = _guided_cuts(len(src_pages), copy_threads(),
-                            max(1, -(-MIN_SHARE_BYTES // max(1, src.shape[1]))))
-        pieces = list(zip(cuts[:-1], cuts[1:])) if gather else _cut_runs(runs, cuts)
-    if gather:
-        run_pieces(pieces, lambda ab: _gather_part(src, src_pages[ab[0]:ab[1]], dst,
-                                                    dst_pages[ab[0]:ab[1]]))
-    else:
-        run_pieces(pieces, lambda part: _slice_part(src, dst, part))
+        share_cuts = _guided_cuts(n, copy_threads(),
+                                  max(1, -(-MIN_SHARE_BYTES // max(1, src.shape[1]))))
+    dst_cuts, src_cuts = _run_cuts(dst_pages), _run_cuts(src_pages)
+    how = ("mixed" if small and min(len(dst_cuts), len(src_cuts)) > 2
+           else "gather" if len(dst_cuts) <= len(src_cuts) else "scatter")
+    run_cuts = [] if how == "mixed" else (dst_cuts if how == "gather" else src_cuts).tolist()
+    pieces = _segments(share_cuts, run_cuts)
+    run_pieces(pieces, lambda segs: _copy_segments(src, src_pages, dst, dst_pages, segs, how))
 
 
-def _gather_part(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
-                 dst_pages: np.ndarray) -> None:
-    dst[dst_pages] = src[src_pages]
+def _segments(share_cuts: list[int], run_cuts: list[int]) -> list[list[tuple[int, int]]]:
+    """Per share (``share_cuts``), its ``(start, end)`` page offsets cut at ``run_cuts``:
+    every segment lies in one share and one run."""
+    cuts = sorted(set(share_cuts).union(run_cuts))
+    pieces: list[list[tuple[int, int]]] = [[] for _ in share_cuts[1:]]
+    share = 0
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        while a >= share_cuts[share + 1]:
+            share += 1
+        pieces[share].append((a, b))
+    return pieces
 
 
-def _slice_part(src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
-    for s, d, n in runs:
-        dst[d:d + n] = src[s:s + n]
+def _copy_segments(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
+                   dst_pages: np.ndarray, segments: list[tuple[int, int]], how: str) -> None:
+    """One share: per segment a gather into its destination run, a scatter from its
+    source run, or (``mixed``) both sides fancy-indexed."""
+    for a, b in segments:
+        if how == "mixed":
+            dst[dst_pages[a:b]] = src[src_pages[a:b]]
+        elif how == "scatter":
+            s = int(src_pages[a])
+            dst[dst_pages[a:b]] = src[s:s + b - a]
+        elif b - a == 1:
+            dst[int(dst_pages[a])] = src[int(src_pages[a])]
+        else:  # the ids were checked: "clip" skips numpy's buffered bounds check
+            d = int(dst_pages[a])
+            np.take(src, src_pages[a:b], axis=0, out=dst[d:d + b - a], mode="clip")
+
+
+def _run_cuts(pages: np.ndarray) -> np.ndarray:
+    """Offsets ``[0, ..., len(pages)]`` where a run of consecutive page ids starts."""
+    return np.concatenate(([0], np.flatnonzero(np.diff(pages) != 1) + 1, [len(pages)]))
 
 
 def _guided_cuts(num_pages: int, threads: int, min_pages: int) -> list[int]:
@@ -211,22 +252,3 @@ def _guided_cuts(num_pages: int, threads: int, min_pages: int) -> list[int]:
         at += min(num_pages - at, max(min_pages, (num_pages - at) // (2 * threads)))
         cuts.append(at)
     return cuts
-
-
-def _cut_runs(runs: list[tuple[int, int, int]],
-              cuts: list[int]) -> list[list[tuple[int, int, int]]]:
-    """``runs`` cut at the page offsets ``cuts`` (``[0, ..., total]``): one list of runs
-    per share, in order."""
-    out: list[list[tuple[int, int, int]]] = []
-    it = iter(runs)
-    s, d, n = next(it, (0, 0, 0))
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        part, room = [], hi - lo
-        while room:
-            if not n:
-                s, d, n = next(it)
-            k = min(n, room)
-            part.append((s, d, k))
-            s, d, n, room = s + k, d + k, n - k, room - k
-        out.append(part)
-    return out
