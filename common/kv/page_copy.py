@@ -187,7 +187,7 @@ def _run_shared(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
     short runs on both sides (``small``): one gather-and-scatter per share. The runs are
     found once per copy, not per share. Measured on the 2-core box (256 scattered 512 KiB
     pages over 2 threads, interleaved with the slices they replaced, medians of 15-21
-    rounds): gathers 12.0-12.9 GB/s against 10.8-11.4, scatters 11.6-12.0 against 10.6-11.6.
+    rounds): gathers 12.0-13.9 GB/s against 10.5-11.4, scatters 11.6-13.3 against 10.5-11.6.
 
     Shares shrink as they are taken (guided, like OpenMP's ``schedule(guided)``): each is
     about a ``2 * copy_threads()``-th of what is left, at least ``MIN_SHARE_BYTES``, and
