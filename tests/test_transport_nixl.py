@@ -159,9 +159,14 @@ def test_prefill_killed_mid_transfer_decode_reclaims_within_the_lease(tmp_path, 
     drv.announce_all()
     deadline = time.monotonic() + 20
     rx = drv.receivers[0]
-    while len(drv.final) < 2 and time.monotonic() < deadline:   # a and c complete, b stalls
+    def b_leg():
+        return next(iter(rx.transfers["b"].legs.values()))
+
+    # a and c complete and b stalls after its first block, whose arrival may come after
+    # theirs: wait for both, not for the finals alone
+    while (len(drv.final) < 2 or not b_leg().blocks_received) and time.monotonic() < deadline:
         drv.step()
-    assert next(iter(rx.transfers["b"].legs.values())).blocks_received > 0  # b mid-transfer
+    assert len(drv.final) == 2 and b_leg().blocks_received > 0  # b mid-transfer
     os.kill(proc.pid, signal.SIGKILL)
     t_kill = time.monotonic()
     free_at_kill = drv.caches[0].num_free_pages()
