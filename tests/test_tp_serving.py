@@ -2,8 +2,8 @@
 ranks (one process each, loopback) is token-identical to the single-process reference
 at float64, with speculative decoding (the built-in draft layers) on; every rank writes
 its own free log and each replays clean, the follower's with exactly the pages rank 0
-allocated. P TP2 -> D TP2 with a draft checkpoint, sharded like the target, equals
-transformers. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
+allocated. P TP2 -> D TP2, and a colocated TP2 group, with a draft checkpoint sharded like
+the target, equal transformers. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
 requests end with an error naming the lost rank, rank 0 exits, its log replays clean,
 and the deployment serves on with the other worker."""
 
@@ -74,13 +74,14 @@ def test_a_colocated_tp2_worker_equals_the_reference_and_every_rank_log_is_clean
     assert allocs0 == allocs1 and len(allocs0) >= len(reference)  # the same pages, in order
 
 
-def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path):
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path, mode):
     """P TP2 -> D TP2 with a draft checkpoint (narrower KV rows than the target's),
     sharded over each group's ranks like the target: each prefill rank computes its heads
     of the draft's KV too, which travels with the target's to the decode rank holding
-    those heads. Speculation with it is exact, so the output is transformers' greedy
-    output of the target; every rank's log replays clean with rank 0's pages. (A
-    colocated group runs the same ranks' code; left out for CI time.)"""
+    those heads. A colocated TP2 group keeps each rank's draft heads in that rank's own
+    rows. Speculation with it is exact, so the output is transformers' greedy output of
+    the target; every rank's log replays clean with rank 0's pages."""
     pytest.importorskip("transformers")
     from tests.checkpoint_helpers import hf_checkpoint, hf_generate
 
@@ -88,7 +89,8 @@ def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path):
                   draft_model_path=str(hf_checkpoint("llama-draft-tp2")))
     assert cfg.kv_layout().num_draft_layers == 1
     reqs = make_workload(SPEC, cfg.model_config().vocab_size)
-    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path))
+    disagg = mode == "disagg"
+    cluster = Cluster(cfg, mode, 1 if disagg else 0, 1, log_dir=str(tmp_path))
     try:
         cluster.start()
         results = drive(cluster.client, reqs, check=cluster.check, timeout_s=120,
@@ -98,8 +100,9 @@ def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path):
     cluster.check_exit_codes()
     assert {rid: r.output_ids for rid, r in results.items()} == {
         r.rid: hf_generate("llama", r.prompt, r.max_new_tokens) for r in reqs}
-    assert stats["decode0"]["spec_proposed"] > 0, stats  # the draft did propose
-    for worker in ("prefill0", "decode0"):
+    decoder = "decode0" if disagg else "colocated0"
+    assert stats[decoder]["spec_proposed"] > 0, stats  # the draft did propose
+    for worker in ("prefill0", "decode0") if disagg else ("colocated0",):
         logs = [tmp_path / f"{worker}.freelog", tmp_path / f"{worker}.tp1.freelog"]
         for log in logs:
             report = replay_file(log)
