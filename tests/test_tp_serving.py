@@ -3,9 +3,9 @@ ranks (one process each, loopback) is token-identical to the single-process refe
 at float64, with speculative decoding (the built-in draft layers) on; every rank writes
 its own free log and each replays clean, the follower's with exactly the pages rank 0
 allocated. P TP2 -> D TP2, and a colocated TP2 group, with a draft checkpoint sharded like
-the target, equal transformers. A follower SIGKILLed mid-request takes its group down cleanly: rank 0's
-requests end with an error naming the lost rank, rank 0 exits, its log replays clean,
-and the deployment serves on with the other worker."""
+the target, equal transformers. A follower SIGKILLed mid-request takes its group down
+cleanly: rank 0's requests end with an error naming the lost rank, rank 0 exits, its log
+replays clean, and the deployment serves on with the other worker."""
 
 from __future__ import annotations
 
