@@ -51,17 +51,26 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
     (``dst_pages`` defaults to ``src_pages``), each cut to at most ``max_len`` pages."""
     src = np.asarray(src_pages, dtype=np.int64)
     dst = src if dst_pages is None else np.asarray(dst_pages, dtype=np.int64)
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
-    if not len(src):
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    cuts = _run_cuts(src, dst)
+    starts, lengths = cuts[:-1], np.diff(cuts)
     if max_len is None:
         return [(int(src[s]), int(dst[s]), int(n)) for s, n in zip(starts, lengths)]
     return [(int(src[s]) + k, int(dst[s]) + k, int(min(max_len, n - k)))
             for s, n in zip(starts, lengths) for k in range(0, int(n), max_len)]
+
+
+def _run_cuts(src_pages: np.ndarray, dst_pages: np.ndarray | None = None) -> np.ndarray:
+    """Offsets ``[0, ..., len]`` where a run consecutive in both page lists starts
+    (``[0]`` for no pages); ``dst_pages`` defaults to ``src_pages``."""
+    dst = src_pages if dst_pages is None else dst_pages
+    if len(src_pages) != len(dst):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst)} destination pages")
+    if not len(src_pages):
+        return np.zeros(1, np.int64)
+    breaks = np.diff(src_pages) != 1
+    if dst_pages is not None:
+        breaks |= np.diff(dst) != 1
+    return np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(src_pages)]))
 
 
 def check_pages(pages: np.ndarray, num_pages: int, what: str = "page") -> None:
@@ -88,7 +97,8 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
     dst_pages = np.asarray(dst_pages, np.int64)
     check_pages(src_pages, src.shape[0], "source page")
     check_pages(dst_pages, dst.shape[0], "destination page")
-    num_runs = _num_runs(src_pages, dst_pages)
+    # counted, not built: the run tuples took 0.17 ms of a 256-page copy, before any byte
+    num_runs = len(_run_cuts(src_pages, dst_pages)) - 1
     if not (_all_heads(src, src_heads) and _all_heads(dst, dst_heads)):
         sh = slice(None) if src_heads is None else src_heads
         dh = slice(None) if dst_heads is None else dst_heads
@@ -107,17 +117,6 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
     for s, d, n in page_runs(src_pages, dst_pages):
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
     return num_runs
-
-
-def _num_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
-    """How many runs ``page_runs`` would return, without building them (a 256-page copy
-    spent 0.17 ms on the tuples, most of the time before its first byte moved)."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination "
-                         "pages")
-    if not len(src_pages):
-        return 0
-    return 1 + int(np.count_nonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)))
 
 
 def _all_heads(pool: Pool, heads: slice | None) -> bool:
@@ -237,11 +236,6 @@ def _copy_segments(src: np.ndarray, src_pages: np.ndarray, dst: np.ndarray,
         else:  # the ids were checked: "clip" skips numpy's buffered bounds check
             d = int(dst_pages[a])
             np.take(src, src_pages[a:b], axis=0, out=dst[d:d + b - a], mode="clip")
-
-
-def _run_cuts(pages: np.ndarray) -> np.ndarray:
-    """Offsets ``[0, ..., len(pages)]`` where a run of consecutive page ids starts."""
-    return np.concatenate(([0], np.flatnonzero(np.diff(pages) != 1) + 1, [len(pages)]))
 
 
 def _guided_cuts(num_pages: int, threads: int, min_pages: int) -> list[int]:
