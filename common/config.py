@@ -216,9 +216,6 @@ class ServeConfig:
             shard_config(self.model_config(), tp)
             if draft is not None:
                 shard_config(draft, tp)
-        if self.offload:
-            raise ValueError("tensor parallelism (prefill_tp/decode_tp > 1) needs "
-                             "offload=False: the host tier is not split by rank yet")
 
     def _check_models(self) -> None:
         """Refuse a checkpoint pdkv cannot serve now, before any process starts."""

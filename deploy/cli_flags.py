@@ -38,10 +38,10 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="workers run check_integrity() whenever idle")
     g.add_argument("--prefill-tp", type=int, metavar="N",
                    help="tensor-parallel ranks (processes, devices) per prefill worker "
-                        "(default 1; > 1 needs --no-offload; docs/cluster.md)")
+                        "(default 1; each rank offloads its own KV heads; docs/cluster.md)")
     g.add_argument("--decode-tp", type=int, metavar="M",
                    help="tensor-parallel ranks per decode or colocated worker (default 1; "
-                        "> 1 needs --no-offload; docs/cluster.md)")
+                        "each rank offloads its own KV heads; docs/cluster.md)")
     g.add_argument("--tp-timeout-s", type=float, metavar="S",
                    help="deadline of every collective of a tensor-parallel group; a rank "
                         "silent this long takes its group down (default 30)")

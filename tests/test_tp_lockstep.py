@@ -15,7 +15,6 @@ import torch
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import (
-    TAG_STEP,
     LeaderKvCache,
     LeaderRunner,
     Lockstep,
@@ -25,22 +24,10 @@ from common.model import (
     get_config,
 )
 from common.model.runner import BatchItem
-from common.parallel import GroupLost, TpGroup
+from common.parallel import GroupLost
+from tests.tp_helpers import Recording
 
 CFG = get_config("tiny", dtype="float64")
-
-
-class Recording(TpGroup):
-    """A group of one that keeps every step rank 0 broadcast."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)
-        self.steps: list[bytes] = []
-
-    def broadcast_bytes(self, tag: int, payload: bytes | None) -> bytes:
-        assert tag == TAG_STEP
-        self.steps.append(payload)
-        return payload
 
 
 def _pair(tmp_path, model: Model):

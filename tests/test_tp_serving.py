@@ -3,9 +3,11 @@ ranks (one process each, loopback) is token-identical to the single-process refe
 at float64, with speculative decoding (the built-in draft layers) on; every rank writes
 its own free log and each replays clean, the follower's with exactly the pages rank 0
 allocated. P TP2 -> D TP2, and a colocated TP2 group, with a draft checkpoint sharded like
-the target, equal transformers. A follower SIGKILLed mid-request takes its group down
-cleanly: rank 0's requests end with an error naming the lost rank, rank 0 exits, its log
-replays clean, and the deployment serves on with the other worker."""
+the target, equal transformers. With host offload, both kinds of group serve multi-turn
+chat equal to the reference, later turns loading their prefix from every rank's own host
+tier, whose logs replay clean with rank 0's pages. A follower SIGKILLed mid-request takes
+its group down cleanly: rank 0's requests end with an error naming the lost rank, rank 0
+exits, its log replays clean, and the deployment serves on with the other worker."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from common.freelog import FreeLogReader, replay_file
 from common.model import Model, generate_greedy
 from deploy.driver import drive
 from deploy.launcher import Cluster
+from deploy.run import serve_workload
 from deploy.workload import WorkloadSpec, make_workload
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,6 +111,39 @@ def test_tp2_groups_with_a_draft_checkpoint_equal_transformers(tmp_path, mode):
             report = replay_file(log)
             assert report.ok and not report.warnings, report.format()
         assert _allocs(logs[0])[1] == _allocs(logs[1])[1]
+
+
+CHAT = WorkloadSpec(requests=6, seed=7, rate=40.0, prompt_len=(1, 30), output_len=(1, 10),
+                   turns=3, shared_prefix=26, turn_gap_s=0.4)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_tp2_groups_offload_and_reuse_prefixes_rank_by_rank(tmp_path, mode):
+    """Host offload in tensor-parallel groups (P TP2 -> D TP2, and a colocated TP2 group),
+    multi-turn chat: later turns load their shared prefix from the host tier, every rank
+    its own heads of it. The output equals the single-process reference; every rank's
+    device and host logs replay clean, a follower's with rank 0's pages."""
+    cfg = CFG.with_overrides(offload=True, prefill_tp=2)
+    model = Model(cfg.model_config())
+    reqs = make_workload(CHAT, cfg.model_config().vocab_size)
+    reference = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+                 for r in reqs}
+    disagg = mode == "disagg"
+    cluster = Cluster(cfg, mode, 1 if disagg else 0, 1, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, CHAT)
+    cluster.check_exit_codes()
+    assert {rid: r.output_ids for rid, r in results.items()} == reference
+    totals = {k: sum(s.get(k, 0) for s in stats.values())
+              for k in ("offloaded_pages", "prefix_hit_pages")}
+    assert totals["offloaded_pages"] > 0 and totals["prefix_hit_pages"] > 0, totals
+    for worker in ("prefill0", "decode0") if disagg else ("colocated0",):
+        for pool in ("", ".host"):
+            logs = [tmp_path / f"{worker}{pool}.freelog", tmp_path / f"{worker}.tp1{pool}.freelog"]
+            for log in logs:
+                report = replay_file(log)
+                assert report.ok and not report.warnings, report.format()
+            allocs = _allocs(logs[0])[1]
+            assert allocs and allocs == _allocs(logs[1])[1], logs
 
 
 def test_a_narrow_draft_checkpoint_needs_equal_prefill_and_decode_groups():

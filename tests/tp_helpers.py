@@ -1,5 +1,6 @@
 """Run a function on every rank of a real tensor-parallel group (one process per rank,
-gloo on loopback) and collect what each rank returns."""
+gloo on loopback) and collect what each rank returns; ``Recording``, a group of one that
+keeps rank 0's steps for a follower's ``Mirror`` in the same process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import queue
 import signal
 import socket
 import traceback
+
+from common.model import TAG_STEP
+from common.parallel import TpGroup
 
 
 def free_port() -> int:
@@ -61,3 +65,16 @@ def run_ranks(fn, size: int, *args, timeout_s: float = 120.0, killed: tuple[int,
                if procs[r].exitcode != -signal.SIGKILL]
     assert not errors, "\n".join(errors)
     return [results.get(r, (None, None))[1] for r in range(size)]
+
+
+class Recording(TpGroup):
+    """A group of one that keeps every step rank 0 broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.steps: list[bytes] = []
+
+    def broadcast_bytes(self, tag: int, payload: bytes | None) -> bytes:
+        assert tag == TAG_STEP
+        self.steps.append(payload)
+        return payload

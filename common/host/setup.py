@@ -2,7 +2,9 @@
 
 Shared by the prefill, decode and colocated workers so that every worker keys its prefix
 cache the same way (``host_salt``) and writes its host pool's free log next to the
-device pool's (``<log_dir>/<name>.host.freelog``, replayed by ``pdkv run``).
+device pool's (``<log_dir>/<name>.host.freelog``, replayed by ``pdkv run``). Rank 0 of a
+tensor-parallel group gets a host tier and copy engine that its followers repeat
+(``common.host.tp``).
 
 Who frees what: the returned ``Offloader`` never frees device pages (the worker does);
 its host pages belong to the prefix cache. The worker calls ``close_offloader`` at
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
+from functools import partial
 
 from common.config import ServeConfig
 from common.host.offload import Offloader
 from common.host.tier import CopyEngine, HostTier
+from common.host.tp import LeaderHostTier, LockstepCopies, host_log_path
 from common.kv import KvCache, copy_pages
 
 logger = logging.getLogger(__name__)
@@ -35,11 +38,14 @@ def make_offloader(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str |
     """The worker's host tier and offloader, or None when ``cfg.offload`` is off."""
     if not cfg.offload:
         return None
-    log = str(Path(log_dir) / f"{name}.host.freelog") if log_dir else None
-    host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
-                    log_path=log, node=name)
+    lockstep = getattr(cache, "lockstep", None)  # rank 0 of a TP group (LeaderKvCache)
+    tier = HostTier if lockstep is None else partial(LeaderHostTier, lockstep=lockstep)
+    host = tier(cfg.host_pages, cache.page_size, cache.layout, device=device,
+                log_path=host_log_path(log_dir, name), node=name)
     engine = _SlowCopyEngine(device, cfg.debug_copy_delay_s) if cfg.debug_copy_delay_s \
-        else None
+        else CopyEngine(device)
+    if lockstep is not None:
+        engine = LockstepCopies(engine, lockstep, host)
     return Offloader(cache, host, engine=engine)
 
 

@@ -19,13 +19,13 @@ __getattr__ = lazy_names(__name__, {
     "seeded_tensors": "common.model.seeded",
     "TpModel": "common.model.tp", "shard_config": "common.model.tp",
     **dict.fromkeys(["TAG_CONFIG", "TAG_STEP", "LeaderKvCache", "LeaderRunner", "Lockstep",
-                     "RankPins", "RankReport"], "common.model.tp_lockstep"),
-    "Mirror": "common.model.tp_mirror", "RankTransfer": "common.model.tp_mirror"})
+                     "RankPins", "RankReport", "TpKvOp"], "common.model.tp_lockstep"),
+    **dict.fromkeys(["HostOps", "Mirror", "RankTransfer"], "common.model.tp_mirror")})
 
-__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "LeaderKvCache",
+__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "HostOps", "LeaderKvCache",
            "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankReport", "RankTransfer",
            "TAG_CONFIG", "TAG_STEP", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
-           "sample", "seeded_tensors", "shard_config", "TpModel", "write_builtin_tokenizer",
-           "write_checkpoint"]
+           "sample", "seeded_tensors", "shard_config", "TpKvOp", "TpModel",
+           "write_builtin_tokenizer", "write_checkpoint"]

@@ -49,7 +49,7 @@ class TpKvOp:
 
     op: str
     """open, extend, commit, close_row, free, evict, handoff, free_pages, pin, pin_pages,
-    unpin or close."""
+    unpin or close; ``x_*`` a transfer op, ``h_*`` a host-tier op (``common.host.tp``)."""
     owner: str = ""
     counters: list[int] = field(default_factory=list)
     """The row's counters before the op (allocated, committed, swa floor, protected): the
@@ -59,7 +59,8 @@ class TpKvOp:
     ranges: list[int] = field(default_factory=list)
     """free: flat [start0, end0, start1, end1, ...]."""
     pages: bytes = b""
-    """extend: the new pages; pin/free_pages/pin_pages: the pages (int32 bytes)."""
+    """extend: the new pages; pin/free_pages/pin_pages: the pages (int32 bytes); h_copy:
+    the source pages, then the destination's."""
     text: str = ""
     """free/free_pages: reason; handoff: new owner; pin: reason."""
     pool: str = "full"

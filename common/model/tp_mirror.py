@@ -54,6 +54,17 @@ class RankTransfer(Protocol):
         bytes, seconds, path), as ``WorkerMetrics.on_transfer`` counts them."""
 
 
+class HostOps(Protocol):
+    """A follower's host tier, driven by the host ops rank 0 records (``h_*``,
+    ``common.host.tp``)."""
+
+    def apply(self, op: TpKvOp) -> None:
+        """Repeat one ``h_*`` op on this rank's host tier."""
+
+    def abandon(self) -> None:
+        """Rank 0 is gone: drop the copies' pins, close the host log."""
+
+
 Reporter = Callable[[bool], RankReport]
 """Builds this rank's report for a ``health`` step (argument: the final one)."""
 
@@ -67,9 +78,10 @@ class Mirror:
     """
 
     def __init__(self, runner: ModelRunner, rank: int, transfer: RankTransfer | None = None,
-                 group=None, reporter: Reporter | None = None) -> None:
+                 group=None, reporter: Reporter | None = None,
+                 host: HostOps | None = None) -> None:
         self.runner, self.cache, self.rank = runner, runner.cache, rank
-        self.transfer, self.group = transfer, group
+        self.transfer, self.group, self.host = transfer, group, host
         self.reporter = reporter or (lambda _final: RankReport(self.log_problems()))
         self.rows: dict[str, KvRecord] = {}
         self.held: dict[str, set[int]] = {}  # row page indices each row still holds
@@ -124,6 +136,10 @@ class Mirror:
             if self.transfer is None:
                 raise ValueError(f"transfer op {op.op!r} on a rank without a transport")
             self.transfer.apply(op, kv)
+        elif op.op.startswith("h_"):
+            if self.host is None:
+                raise ValueError(f"host op {op.op!r} on a rank without a host tier")
+            self.host.apply(op)
         elif op.op == "open":
             self.rows[op.owner] = c.open_row(op.owner)
             self.held[op.owner] = set()
@@ -181,6 +197,8 @@ class Mirror:
         if self.closed:
             return
         self.close_transfer()
+        if self.host is not None:
+            self.host.abandon()
         for pin_id in sorted(self.pins.values()):
             self.cache.unpin(pin_id)
         self.pins.clear()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from common.kv import KvCache
-from common.metrics import NodeMetrics, pack
+from common.metrics import NodeMetrics, host_readings, pack, watch_host
 from common.model import RankReport, RankTransfer
 from common.node.worker_metrics import count_transfer
 
@@ -27,12 +27,18 @@ logger = logging.getLogger(__name__)
 
 
 class RankMetrics:
-    """A follower's ``NodeMetrics``: its device pool, its KV transport's counters and
-    data paths, and the transfers completed on this rank."""
+    """A follower's ``NodeMetrics``: its device pool, its host tier and copies (``host``, a
+    ``HostMirror``), its KV transport's counters and data paths, and the transfers
+    completed on this rank."""
 
-    def __init__(self, role: str, cache: KvCache, transfer: RankTransfer | None) -> None:
+    def __init__(self, role: str, cache: KvCache, transfer: RankTransfer | None,
+                 host=None) -> None:
         self.metrics = NodeMetrics(role)
         self.metrics.watch_pools("device", cache.pool_stats)
+        watch_host(self.metrics, host)
+        if host is not None:
+            page_bytes = cache.layout.page_bytes(cache.page_size)
+            self.metrics.read(lambda: host_readings(host, page_bytes))
         self.transfer = transfer
         self.totals = {"transfers_completed": 0, "transfer_pages": 0, "transfer_bytes": 0}
         if transfer is not None:

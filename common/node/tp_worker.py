@@ -11,7 +11,9 @@ Followers' metrics and final counters reach the router through rank 0, labelled
 ``rank`` (``common.node.tp_metrics``).
 
 Each rank writes its own free log: ``<name>.freelog`` for rank 0, ``<name>.tp<r>.freelog``
-for rank ``r`` (node ``<name>/tp<r>``), all in the worker's log directory.
+for rank ``r`` (node ``<name>/tp<r>``), all in the worker's log directory; with offload,
+each rank's host tier logs beside it (``<name>.host.freelog``, ``<name>.tp<r>.host.freelog``;
+``common.host.tp``).
 
 SIGTERM stops a follower only in step with rank 0 (see ``_on_signals``).
 
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from common.config import ServeConfig
+from common.host import follower_host
 from common.kv import KvCache
 from common.model import (
     TAG_CONFIG,
@@ -257,10 +260,11 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                         node=node, max_rows=setup["max_rows"],
                         shared_memory=setup.get("shared_memory", False))
         runner = ModelRunner(model, cache, draft)
+        host = follower_host(config, cache, device, log_dir, f"{name}.tp{spec.rank}", node)
         transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
                              kv_advertise, group)
-        counting = RankMetrics(setup.get("role", "colocated"), cache, transfer)
-        mirror = Mirror(runner, spec.rank, transfer, group)
+        counting = RankMetrics(setup.get("role", "colocated"), cache, transfer, host)
+        mirror = Mirror(runner, spec.rank, transfer, group, host=host)
         mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
