@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.codec import pack_ids
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
 from common.host import HashChain, follower_host, make_offloader
@@ -22,6 +23,7 @@ from common.model import (
     Mirror,
     Model,
     ModelRunner,
+    TpKvOp,
     get_config,
 )
 from common.model.runner import BatchItem
@@ -143,4 +145,13 @@ def test_a_follower_that_lost_rank_0_mid_copy_drops_its_pins_and_closes_its_host
     for log in ("w.tp1.freelog", "w.tp1.host.freelog"):
         report = replay_file(tmp_path / log)
         assert report.ok and not report.warnings, report.format()
+    off.close()
+
+
+def test_a_host_copy_outside_the_pools_loses_the_group_before_any_byte_moves(tmp_path, model):
+    group, runner, off, mirror = _pair(tmp_path, model)
+    runner.lockstep.record(TpKvOp("h_copy", n=1, pages=pack_ids([70, 1])))  # device page 70
+    runner.lockstep.send("idle")
+    with pytest.raises(GroupLost, match=r"step does not fit this rank .*outside"):
+        mirror.apply(group.steps[-1])
     off.close()

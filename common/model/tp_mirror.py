@@ -94,7 +94,7 @@ class Mirror:
             step = CODEC.decode(frame)
             for raw in step.ops:
                 self._op(OP_CODEC.decode(raw))
-        except (DecodeError, ValueError, KeyError, AssertionError) as exc:
+        except (DecodeError, ValueError, KeyError, IndexError, AssertionError) as exc:
             raise GroupLost(f"tp rank {self.rank}: step does not fit this rank ({exc})") \
                 from exc
         if step.kind == "stop":
