@@ -5,9 +5,11 @@ its own free log and each replays clean, the follower's with exactly the pages r
 allocated. P TP2 -> D TP2, and a colocated TP2 group, with a draft checkpoint sharded like
 the target, equal transformers. With host offload, both kinds of group serve multi-turn
 chat equal to the reference, later turns loading their prefix from every rank's own host
-tier, whose logs replay clean with rank 0's pages. A follower SIGKILLed mid-request takes
-its group down cleanly: rank 0's requests end with an error naming the lost rank, rank 0
-exits, its log replays clean, and the deployment serves on with the other worker."""
+tier, whose logs replay clean with rank 0's pages; a TP2 decode under memory pressure
+retracts to and resumes from them with the reference's tokens. A follower SIGKILLed
+mid-request takes its group down cleanly: rank 0's requests end with an error naming the
+lost rank, rank 0 exits, its log replays clean, and the deployment serves on with the
+other worker."""
 
 from __future__ import annotations
 
@@ -137,13 +139,38 @@ def test_tp2_groups_offload_and_reuse_prefixes_rank_by_rank(tmp_path, mode):
               for k in ("offloaded_pages", "prefix_hit_pages")}
     assert totals["offloaded_pages"] > 0 and totals["prefix_hit_pages"] > 0, totals
     for worker in ("prefill0", "decode0") if disagg else ("colocated0",):
-        for pool in ("", ".host"):
-            logs = [tmp_path / f"{worker}{pool}.freelog", tmp_path / f"{worker}.tp1{pool}.freelog"]
-            for log in logs:
-                report = replay_file(log)
-                assert report.ok and not report.warnings, report.format()
-            allocs = _allocs(logs[0])[1]
-            assert allocs and allocs == _allocs(logs[1])[1], logs
+        _assert_rank_logs_match(tmp_path, worker)
+
+
+def _assert_rank_logs_match(log_dir, worker: str) -> None:
+    """Rank 0's and rank 1's device and host logs replay clean, with the same pages."""
+    for pool in ("", ".host"):
+        logs = [log_dir / f"{worker}{pool}.freelog", log_dir / f"{worker}.tp1{pool}.freelog"]
+        for log in logs:
+            report = replay_file(log)
+            assert report.ok and not report.warnings, report.format()
+        allocs = _allocs(logs[0])[1]
+        assert allocs and allocs == _allocs(logs[1])[1], logs
+
+
+def test_a_tp2_decode_under_pressure_retracts_to_every_ranks_host_tier_and_resumes(tmp_path):
+    """P TP1 -> D TP2, overcommitted admission on a small decode pool: running requests
+    outgrow it, the youngest are retracted (every rank offloads its heads of their
+    committed pages and frees the row), then resumed (loaded back on every rank, the rest
+    recomputed in the lockstep). The tokens equal the reference; every rank's device and
+    host logs replay clean with rank 0's pages."""
+    cfg = CFG.with_overrides(offload=True, decode_pages=60, overcommit=True)
+    spec = WorkloadSpec(requests=10, seed=0, rate=0.0, prompt_len=(20, 60),
+                        output_len=(30, 60))
+    model = Model(cfg.model_config())
+    reference = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+                 for r in make_workload(spec, cfg.model_config().vocab_size)}
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    results, stats, _ = serve_workload(cluster, spec)
+    cluster.check_exit_codes()
+    assert {rid: r.output_ids for rid, r in results.items()} == reference
+    assert stats["decode0"]["retracted"] >= 2, stats
+    _assert_rank_logs_match(tmp_path, "decode0")
 
 
 def test_a_narrow_draft_checkpoint_needs_equal_prefill_and_decode_groups():
