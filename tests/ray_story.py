@@ -256,11 +256,11 @@ def story_serve_cli(work: Path, address: str, seed: int, reference: dict) -> dic
     """``pdkv serve --cluster ray`` of one colocated worker of two ranks (one placement
     group of two bundles, the ranks' rendezvous on that node's address): the front door
     is an actor too; completions over HTTP equal the reference; SIGINT shuts everything
-    down and replays the free logs (both ranks')."""
+    down and replays the free logs (both ranks' device and host pools)."""
     import httpx
 
     cfg_file = work / "serve.json"
-    cfg = CFG.with_overrides(offload=False, decode_tp=2, tp_timeout_s=20.0)
+    cfg = CFG.with_overrides(decode_tp=2, tp_timeout_s=20.0)  # each rank its host tier
     cfg_file.write_text(json.dumps(cfg.to_dict()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--cluster", "ray", "--ray-address",

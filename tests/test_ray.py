@@ -73,7 +73,8 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     serve = r["serve"]  # pdkv serve --cluster ray, colocated TP2: HTTP through the door
     assert serve.get("identical") and serve["exit"] == 0, serve
     assert "free logs replayed, clean" in serve["stdout"], serve
-    assert serve["logs"] == ["colocated0.freelog", "colocated0.tp1.freelog"], serve["logs"]
+    assert serve["logs"] == ["colocated0.freelog", "colocated0.host.freelog",
+                             "colocated0.tp1.freelog", "colocated0.tp1.host.freelog"], serve["logs"]
     tpd = r["tp2_disagg"]  # 2P1D, each prefill a TP2 group: its ranks on one node
     assert tpd["identical"] and not tpd["log_problems"], tpd
     assert tpd["nodes"]["prefill0"] == tpd["nodes"]["prefill0.tp1"] != \
