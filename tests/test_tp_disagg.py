@@ -2,8 +2,9 @@
 gloo ranks (one process each, loopback), every rank streaming the KV of its own heads to
 the decode ranks that hold them. P TP2 -> D TP1, P TP1 -> D TP2 and P TP2 -> D TP2 are
 token-identical to the single-process reference at float64 (speculative decoding with the
-built-in draft layers on: the draft's KV travels too), over shared memory and over frames;
-every rank's free log replays clean and each follower allocated exactly rank 0's pages.
+built-in draft layers on: the draft's KV travels too; host offload on, every rank its own
+host tier), over shared memory and over frames; every rank's device and host logs replay
+clean and each follower allocated exactly rank 0's pages.
 A rank SIGKILLed mid-request takes its group down cleanly: the group's requests fail,
 every other process's log replays clean, and the deployment serves on. A prefill group's
 rank 0 SIGKILLed: its followers exit (3) within their deadline, never hanging in a
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
-                  offload=False, tp_timeout_s=10.0, debug_integrity=True)
+                  offload=True, tp_timeout_s=10.0, debug_integrity=True)
 SPEC = WorkloadSpec(requests=6, seed=7, rate=40.0, prompt_len=(1, 60), output_len=(1, 10))
 
 
@@ -58,17 +59,19 @@ def _allocs(path) -> tuple[str, list[tuple[str, bytes]]]:
 
 
 def _check_logs(log_dir, worker: str, tp: int) -> None:
-    """Every rank's log of ``worker`` replays clean; followers allocated rank 0's pages."""
-    first = log_dir / f"{worker}.freelog"
-    node0, allocs0 = _allocs(first)
-    assert node0 == worker
-    for rank in range(tp):
-        path = first if rank == 0 else log_dir / f"{worker}.tp{rank}.freelog"
-        report = replay_file(path)
-        assert report.ok and not report.warnings, (path.name, report.format())
-        if rank:
-            node, allocs = _allocs(path)
-            assert node == f"{worker}/tp{rank}" and allocs == allocs0, path.name
+    """Every rank's device and host logs of ``worker`` replay clean; followers allocated
+    rank 0's pages (host pages too)."""
+    for pool in ("", ".host"):
+        first = log_dir / f"{worker}{pool}.freelog"
+        node0, allocs0 = _allocs(first)
+        assert node0 == worker
+        for rank in range(tp):
+            path = first if rank == 0 else log_dir / f"{worker}.tp{rank}{pool}.freelog"
+            report = replay_file(path)
+            assert report.ok and not report.warnings, (path.name, report.format())
+            if rank:
+                node, allocs = _allocs(path)
+                assert node == f"{worker}/tp{rank}" and allocs == allocs0, path.name
 
 
 @pytest.mark.parametrize("ptp,dtp,shm", [(2, 1, True), (1, 2, True), (2, 2, True),
@@ -212,7 +215,8 @@ def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
         cluster.stop()
     for path in sorted(tmp_path.glob("*.freelog")):
         report = replay_file(path)
-        if path.name == f"{victim}.freelog":  # SIGKILLed: no close, no harm
+        killed = path.name in (f"{victim}.freelog", f"{victim}.host.freelog")
+        if killed:  # SIGKILLed: no close, no harm
             assert not report.violations, report.format()
         else:
             assert report.ok and not report.warnings, (path.name, report.format())
