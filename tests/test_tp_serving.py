@@ -135,9 +135,8 @@ def test_tp2_groups_offload_and_reuse_prefixes_rank_by_rank(tmp_path, mode):
     results, stats, _ = serve_workload(cluster, CHAT)
     cluster.check_exit_codes()
     assert {rid: r.output_ids for rid, r in results.items()} == reference
-    totals = {k: sum(s.get(k, 0) for s in stats.values())
-              for k in ("offloaded_pages", "prefix_hit_pages")}
-    assert totals["offloaded_pages"] > 0 and totals["prefix_hit_pages"] > 0, totals
+    for counts in stats.values():  # each group stored, and later turns hit
+        assert counts["offloaded_pages"] > 0 and counts["prefix_hit_pages"] > 0, stats
     for worker in ("prefill0", "decode0") if disagg else ("colocated0",):
         _assert_rank_logs_match(tmp_path, worker)
 
