@@ -219,6 +219,20 @@ def test_an_announce_made_while_the_handshake_runs_keeps_its_capability(plane):
 
 
 
+def _serve_when_free(auth, sock: zmq.Socket, address: str, timeout_s: float = 5.0):
+    """``auth.serve(sock, address)`` once the port is free: a closed socket's listener is
+    closed by libzmq's I/O thread after ``close()`` returns, so rebinding its port at once
+    can meet EADDRINUSE (seen in CI)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return auth.serve(sock, address)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def test_a_decode_whose_connection_was_refused_never_blocks_on_a_send(tmp_path):
     """The prefill dies without a word and a server that refuses this decode's key binds
     its address (it holds the plane's server keys, so the handshake gets as far as ZAP).
@@ -233,9 +247,10 @@ def test_a_decode_whose_connection_was_refused_never_blocks_on_a_send(tmp_path):
     refusing = other.socket(zmq.ROUTER)
     refusing.linger = 0
     someone = new_kv_plane("curve")
-    guard = dataclasses.replace(plane.auth, allowed=((someone.public, "someone"),)).serve(
-        refusing, plane.tx.address)
+    refuser = dataclasses.replace(plane.auth, allowed=((someone.public, "someone"),))
+    guard = None
     try:
+        guard = _serve_when_free(refuser, refusing, plane.tx.address)
         lost, deadline = [], time.monotonic() + 10.0
         while not lost and time.monotonic() < deadline:
             lost = [e for e in rx.poll(0.05) if e.kind == EventKind.PEER_LOST]
@@ -244,7 +259,8 @@ def test_a_decode_whose_connection_was_refused_never_blocks_on_a_send(tmp_path):
         assert guard.refused >= 1
     finally:
         refusing.close(0)
-        guard.close()
+        if guard is not None:
+            guard.close()
         other.term()
         for peer in list(plane.tx.peers.values()):  # no Bye from a process that is gone
             plane.tx.peers.mark_lost(peer, "gone")
