@@ -3,8 +3,8 @@
 Shared by the prefill, decode and colocated workers so that every worker keys its prefix
 cache the same way (``host_salt``) and writes its host pool's free log next to the
 device pool's (``<log_dir>/<name>.host.freelog``, replayed by ``pdkv run``). Rank 0 of a
-tensor-parallel group gets a host tier and copy engine that its followers repeat
-(``common.host.tp``).
+tensor-parallel group gets a host tier and copy engine that its followers repeat, and
+``follower_host`` builds a follower's (``common.host.tp``).
 
 Who frees what: the returned ``Offloader`` never frees device pages (the worker does);
 its host pages belong to the prefix cache. The worker calls ``close_offloader`` at
@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from pathlib import Path
 
 from common.config import ServeConfig
 from common.host.offload import Offloader
 from common.host.tier import CopyEngine, HostTier
-from common.host.tp import LeaderHostTier, LockstepCopies, host_log_path
+from common.host.tp import HostMirror, LeaderHostTier, LockstepCopies
 from common.kv import KvCache, copy_pages
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,28 @@ def make_offloader(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str |
     lockstep = getattr(cache, "lockstep", None)  # rank 0 of a TP group (LeaderKvCache)
     tier = HostTier if lockstep is None else partial(LeaderHostTier, lockstep=lockstep)
     host = tier(cfg.host_pages, cache.page_size, cache.layout, device=device,
-                log_path=host_log_path(log_dir, name), node=name)
+                log_path=_host_log_path(log_dir, name), node=name)
     engine = _SlowCopyEngine(device, cfg.debug_copy_delay_s) if cfg.debug_copy_delay_s \
         else CopyEngine(device)
     if lockstep is not None:
         engine = LockstepCopies(engine, lockstep, host)
     return Offloader(cache, host, engine=engine)
+
+
+def follower_host(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | None,
+                  name: str, node: str) -> HostMirror | None:
+    """A tensor-parallel follower's host tier (``cfg.host_pages`` of its heads, logged to
+    ``<log_dir>/<name>.host.freelog``), driven by rank 0's ops; None when ``cfg.offload``
+    is off."""
+    if not cfg.offload:
+        return None
+    host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
+                    log_path=_host_log_path(log_dir, name), node=node)
+    return HostMirror(host, cache)
+
+
+def _host_log_path(log_dir: str | None, name: str) -> str | None:
+    return str(Path(log_dir) / f"{name}.host.freelog") if log_dir else None
 
 
 def close_offloader(off: Offloader | None, timeout_s: float) -> None:

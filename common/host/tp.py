@@ -27,13 +27,11 @@ all-reduce passes on to rank 0; decode offloads a page at a time as pages fill.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.codec import pack_ids, unpack_ids
-from common.config import ServeConfig
 from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
 from common.kv import KvCache, copy_pages
 from common.model import Lockstep, TpKvOp
@@ -160,19 +158,3 @@ class HostMirror:
         if not self.closed:
             self.host.close()
             self.closed = True
-
-
-def host_log_path(log_dir: str | None, name: str) -> str | None:
-    """``<log_dir>/<name>.host.freelog``: a worker's (or a rank's) host pool log."""
-    return str(Path(log_dir) / f"{name}.host.freelog") if log_dir else None
-
-
-def follower_host(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | None,
-                  name: str, node: str) -> HostMirror | None:
-    """A follower's host tier (``cfg.host_pages`` of its heads, logged to
-    ``<name>.host.freelog``), or None when ``cfg.offload`` is off."""
-    if not cfg.offload:
-        return None
-    host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
-                    log_path=host_log_path(log_dir, name), node=node)
-    return HostMirror(host, cache)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from common.host import HostMirror
 from common.kv import KvCache
 from common.metrics import NodeMetrics, host_readings, pack, watch_host
 from common.model import RankReport, RankTransfer
@@ -32,7 +33,7 @@ class RankMetrics:
     completed on this rank."""
 
     def __init__(self, role: str, cache: KvCache, transfer: RankTransfer | None,
-                 host=None) -> None:
+                 host: HostMirror | None = None) -> None:
         self.metrics = NodeMetrics(role)
         self.metrics.watch_pools("device", cache.pool_stats)
         watch_host(self.metrics, host)
