@@ -13,9 +13,9 @@ from common.freelog.report import (
     Violation,
     combined_exit,
 )
-from common.freelog.writer import FORMAT, VERSION, FreeLogWriter, configure
+from common.freelog.writer import FORMAT, VERSION, FreeLogWriter, configure, freelog_file
 
 __all__ = ["EXIT_CLEAN", "EXIT_INCOMPLETE", "EXIT_UNREADABLE", "EXIT_VIOLATIONS", "FORMAT",
            "VERSION", "configure", "FreeLogReader", "FreeLogWriter", "LogHealth", "ReplayReport",
-           "UnreadableLog", "Violation", "combined_exit", "log_problems", "replay_file",
-           "replay_main"]
+           "UnreadableLog", "Violation", "combined_exit", "freelog_file", "log_problems",
+           "replay_file", "replay_main"]

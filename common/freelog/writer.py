@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -30,6 +31,16 @@ from common.freelog.health import LogHealth
 from common.freelog.sink import LogFile, WriteError, describe
 
 logger = logging.getLogger(__name__)
+
+
+def freelog_file(log_dir: str | None, name: str) -> str | None:
+    """``<log_dir>/<name>.freelog`` (the directory made first), or None without a
+    ``log_dir``: every pool's log is named here, so ``pdkv run`` finds them all."""
+    if not log_dir:
+        return None
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(log_dir) / f"{name}.freelog")
+
 
 FORMAT = "pdkv-freelog"
 VERSION = 1

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from pathlib import Path
 
 from common.config import ServeConfig
+from common.freelog import freelog_file
 from common.host.offload import Offloader
 from common.host.tier import CopyEngine, HostTier
 from common.host.tp import HostMirror, LeaderHostTier, LockstepCopies
@@ -42,7 +42,7 @@ def make_offloader(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str |
     lockstep = getattr(cache, "lockstep", None)  # rank 0 of a TP group (LeaderKvCache)
     tier = HostTier if lockstep is None else partial(LeaderHostTier, lockstep=lockstep)
     host = tier(cfg.host_pages, cache.page_size, cache.layout, device=device,
-                log_path=_host_log_path(log_dir, name), node=name)
+                log_path=freelog_file(log_dir, f"{name}.host"), node=name)
     engine = _SlowCopyEngine(device, cfg.debug_copy_delay_s) if cfg.debug_copy_delay_s \
         else CopyEngine(device)
     if lockstep is not None:
@@ -58,12 +58,8 @@ def follower_host(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | 
     if not cfg.offload:
         return None
     host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
-                    log_path=_host_log_path(log_dir, name), node=node)
+                    log_path=freelog_file(log_dir, f"{name}.host"), node=node)
     return HostMirror(host, cache)
-
-
-def _host_log_path(log_dir: str | None, name: str) -> str | None:
-    return str(Path(log_dir) / f"{name}.host.freelog") if log_dir else None
 
 
 def close_offloader(off: Offloader | None, timeout_s: float) -> None:

@@ -32,11 +32,11 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from common.config import ServeConfig
+from common.freelog import freelog_file
 from common.host import follower_host
 from common.kv import KvCache
 from common.model import (
@@ -74,11 +74,7 @@ class TpSpec:
 
 
 def freelog_path(log_dir: str | None, name: str, rank: int) -> str | None:
-    if not log_dir:
-        return None
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
-    suffix = "" if rank == 0 else f".tp{rank}"
-    return str(Path(log_dir) / f"{name}{suffix}.freelog")
+    return freelog_file(log_dir, name if rank == 0 else f"{name}.tp{rank}")
 
 
 def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pages: int,

@@ -25,7 +25,6 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import zmq
@@ -33,7 +32,7 @@ import zmq
 import common.trace as trace
 from common.config import ServeConfig
 from common.freelog import configure as configure_freelog
-from common.freelog import log_problems
+from common.freelog import freelog_file, log_problems
 from common.kv import KvCache
 from common.model import Model, ModelRunner, RankPins
 from common.node import stop_signals
@@ -177,12 +176,9 @@ class WorkerBase(ABC):
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
         draft = Model(dcfg, device=self.device) if dcfg else None
-        log = None
-        if self.log_dir:
-            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            log = str(Path(self.log_dir) / f"{self.name}.freelog")
         cache = KvCache(num_pages, cfg.page_size, layout=cfg.kv_layout(), device=self.device,
-                        log_path=log, node=self.name, max_rows=cfg.max_rows,
+                        log_path=freelog_file(self.log_dir, self.name), node=self.name,
+                        max_rows=cfg.max_rows,
                         shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
         self.counting.watch(cfg, cache)
