@@ -35,6 +35,10 @@ class TransportConfig:
     """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
     max_frame_bytes: int = 8 << 20
     """Prefill: coalesced page runs are cut into data frames of at most this many bytes."""
+    keep_frame_memory: bool = True
+    """Decode: fix glibc's malloc thresholds (process-wide, once) so that the buffers of
+    received frames stay mapped between frames instead of being faulted in afresh for
+    each (transport/frame_memory.py); False leaves malloc's defaults."""
     require_capability: bool = False
     """Prefill: stream a request's KV only to a peer whose ``Announce`` carries the
     capability the worker registered with ``KvSender.expect`` (an announce that comes

@@ -41,6 +41,7 @@ from . import handshake, tp
 from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
+from .frame_memory import keep_frame_memory
 from .incoming import Incoming, InLeg, InState
 from .limits import ABORT_REASONS
 from .link import Inbound, LinkPoll
@@ -94,6 +95,8 @@ class KvReceiver:
     def __init__(self, cache, config: TransportConfig, ctx: zmq.Context | None = None,
                  auth: PlaneAuth = INSECURE):
         self.config, self.cache = config, cache
+        if config.keep_frame_memory:
+            keep_frame_memory()
         self.stats: Counter[str] = Counter()
         self.events = EventLog(self.stats)
         self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
