@@ -130,6 +130,18 @@ def test_split_false_copies_on_the_calling_thread_only(three_copy_threads, monke
     assert pieces[1] > 1                              # the default still shares it out
 
 
+def test_one_run_on_the_calling_thread_is_one_slice_copy(monkeypatch):
+    """A frame landing in consecutive pages (one run on both sides, ``split=False``) is one
+    slice copy: byte-exact, its neighbours untouched, no share bookkeeping."""
+    import common.kv.page_copy as page_copy
+    monkeypatch.setattr(page_copy, "run_pieces", lambda *a: pytest.fail("shared out"))
+    frame = np.random.default_rng(5).integers(0, 255, (4, 2, 2, 16, 4, 8), np.uint8)
+    pool = np.zeros((12, *frame.shape[1:]), np.uint8)
+    assert copy_pages(frame, np.arange(4), pool, np.arange(6, 10), split=False) == 1
+    assert np.array_equal(pool[6:10], frame)
+    assert not pool[:6].any() and not pool[10:].any()
+
+
 def test_a_failing_share_is_raised_after_every_share_ended(three_copy_threads):
     src = np.ones((64, SPLIT_ABOVE_BYTES // 16), np.uint8)
     dst = np.zeros_like(src)
