@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.allocator import TorchPagedAllocator
 from benchmarks.goals import EXIT_MISSED, Goals, add_bench_flags
+from benchmarks.offload import paired_ratio
 from deploy.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +56,14 @@ def test_add_bench_flags_parses_the_shared_flags():
     add_bench_flags(p, quick="q", repeats="3")
     args = p.parse_args(["--quick", "--repeats", "5", "--json", "--report-only"])
     assert (args.quick, args.repeats, args.json, args.report_only) == (True, 5, True, True)
+
+
+def test_an_offload_round_is_the_median_of_its_paired_tries():
+    """One lucky try of the plain copy (6 ms among 10s) does not decide a round, and the
+    pairs stay pairs: the offload 20% slower in every try is 0.8x, whatever the drift."""
+    plain, offload = [6.0, 10.0, 10.0, 20.0, 10.0], [12.5, 12.5, 12.5, 25.0, 12.5]
+    assert paired_ratio(plain, offload) == pytest.approx(0.8)
+    assert min(plain) / min(offload) == pytest.approx(0.48)   # the old fastest-try figure
 
 
 def test_torch_baseline_frees_exactly_the_rows_pages():
