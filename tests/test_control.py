@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import typing
 
 import msgpack
 import pytest
+import zmq
 
 from common.codec import pack_ids
 from common.config import ServeConfig
@@ -28,6 +30,7 @@ from common.node import (
     StatusReport,
     Submit,
     Tokens,
+    poll_for,
 )
 from common.node.control import MAX_CONTROL_BYTES
 from deploy.client import Client
@@ -174,3 +177,25 @@ def test_the_leak_fixture_sees_an_open_socket_and_a_live_context(no_leaked_zmq):
     assert sock in no_leaked_zmq.sockets and ctx in no_leaked_zmq.contexts
     assert "leaked 1 ZMQ socket(s) ['DEALER'] and 1 context(s)" in no_leaked_zmq.leaks()
     assert sock.closed and ctx.closed and no_leaked_zmq.leaks() == ""
+
+
+def test_a_wait_shorter_than_a_millisecond_sleeps_instead_of_spinning():
+    """ZMQ polls in whole milliseconds: a 0.3 ms wait (NIXL's progress slices) polls once
+    and sleeps the rest; a readable socket answers at once."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://poll-for")
+        b.connect("inproc://poll-for")
+        poller = zmq.Poller()
+        poller.register(b, zmq.POLLIN)
+        t0 = time.monotonic()
+        for _ in range(20):
+            assert poll_for(poller, 0.0003) == []
+        assert time.monotonic() - t0 >= 20 * 0.0003   # each waited (poll(0) returns at once)
+        a.send(b"x")
+        assert poll_for(poller, 0.0003) == [(b, zmq.POLLIN)]
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()

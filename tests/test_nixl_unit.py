@@ -99,7 +99,7 @@ def test_done_waits_until_the_last_write_completed(pair, monkeypatch):
     assert events == [] and pair.tx.num_pins == 1           # Done held, source pinned
     assert pair.tx.stats["nixl_held_msgs"] == 1 and pair.rx.num_pins == 1
     # both ends ask their worker loop to poll them soon (nothing wakes a socket wait)
-    assert pair.tx.poll_within() == 0.001 and pair.rx.poll_within() is not None
+    assert pair.tx.poll_within() == nixl.SLICE_S and pair.rx.poll_within() == nixl.SLICE_S
     gate.closed = False
     events = _poll_both(pair, 2, lambda: not pair.tx.transfers)
     assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 42)]

@@ -13,8 +13,8 @@ goes as on every path (Done, AbortAck, or a lost peer).
 Notifications travel over UCX, ``Done`` over ZMQ, so a ``Done`` can overtake the last
 notifications: it then waits here (``defer_done``) until they are in, at most
 ``chunk_timeout_s`` (``due_dones``). With UCX over TCP the bytes themselves land only
-while this side progresses, so the link waits in ``SLICE_S`` slices while a NIXL leg is
-open (``active``).
+while this side progresses, so the link waits in ``nixl.SLICE_S`` slices while a NIXL leg
+is open (``active``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from . import nixl
 from .config import TransportConfig
 from .incoming import InState
 from .messages import Done
-
-SLICE_S = 0.001  # wait slice while a NIXL leg is open (over TCP, bytes land on progress)
 
 
 class NixlTarget:

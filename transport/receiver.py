@@ -62,7 +62,8 @@ from .messages import (
     ProtocolError,
     pages_to_bytes,
 )
-from .nixl_target import SLICE_S, target_for
+from .nixl import SLICE_S
+from .nixl_target import target_for
 from .peers import Peer, PeerTable
 from .receiver_data import land_chunk
 from .receiver_link import DRAIN_BYTES, ReceiverLink

@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 
 import zmq
 
-from common.node import INSECURE, PlaneAuth
+from common.node import INSECURE, PlaneAuth, poll_for
 
 from . import handshake, nixl, tp
 from .config import TransportConfig
@@ -32,7 +32,8 @@ from .messages import (
     decode,
     encode,
 )
-from .nixl_target import SLICE_S, NixlTarget
+from .nixl import SLICE_S
+from .nixl_target import NixlTarget
 from .peers import Peer, PeerTable
 from .sockets import DealerSocket
 
@@ -228,7 +229,7 @@ class ReceiverLink:
         while True:
             left = deadline - time.monotonic()
             wait = min(left, SLICE_S) if nixl_open and self.nixl is not None else left
-            self._drain_ready(out, dict(self._poller.poll(max(0, int(wait * 1000)))))
+            self._drain_ready(out, dict(poll_for(self._poller, max(0.0, wait))))
             self._take_notifications(out)
             if out.inbound or out.lost or out.more or left <= wait:
                 break

@@ -63,7 +63,7 @@ class SenderLink:
         """Read what arrived (waiting up to ``timeout_ms`` for the first message), answer
         handshakes, send due heartbeats, find lost peers."""
         out = LinkPoll()
-        item = self._recv(out, timeout_ms)
+        item = self._recv(out, timeout_ms / 1000)
         while item is not None:
             self._take(out, *item)
             item = self.router.recv(0)
@@ -75,18 +75,18 @@ class SenderLink:
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
 
-    def _recv(self, out: LinkPoll, timeout_ms: int):
-        """The first message within ``timeout_ms``; while NIXL writes are in flight (or
-        control is held for them) the wait is cut into 1 ms slices that progress them
-        (over TCP they move only then)."""
-        deadline = time.monotonic() + timeout_ms / 1000
+    def _recv(self, out: LinkPoll, timeout_s: float):
+        """The first message within ``timeout_s``; while NIXL writes are in flight (or
+        control is held for them) the wait is cut into ``nixl.SLICE_S`` slices that
+        progress them (over TCP they move only then)."""
+        deadline = time.monotonic() + timeout_s
         while self.nixl is not None and self.nixl.busy:
-            left_ms = (deadline - time.monotonic()) * 1000
-            item = self.router.recv(1 if left_ms > 0 else 0)
-            if item is not None or left_ms <= 0:
+            left = deadline - time.monotonic()
+            item = self.router.recv(min(max(0.0, left), nixl.SLICE_S))
+            if item is not None or left <= 0:
                 return item
             self._progress_nixl(out)
-        return self.router.recv(max(0, int((deadline - time.monotonic()) * 1000)))
+        return self.router.recv(max(0.0, deadline - time.monotonic()))
 
     def _progress_nixl(self, out: LinkPoll) -> None:
         """Progress NIXL writes, send the control messages they held, and report peers
@@ -215,7 +215,7 @@ class SenderLink:
     def poll_within(self) -> float | None:
         """Seconds within which ``poll`` should run again (NIXL writes in flight, or
         control held for them, move only when polled); None: whenever."""
-        return 0.001 if self.nixl is not None and self.nixl.busy else None
+        return nixl.SLICE_S if self.nixl is not None and self.nixl.busy else None
 
     def send_after_writes(self, key: bytes, rid: str, msg: Message) -> None:
         """Send ``msg`` (Done, Abort or AbortAck: no more bytes of ``rid`` will come) once

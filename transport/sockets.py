@@ -15,7 +15,7 @@ import uuid
 
 import zmq
 
-from common.node import INSECURE, PlaneAuth
+from common.node import INSECURE, PlaneAuth, poll_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class RouterSocket:
             self.sock.close(linger=0)
             raise
         self.address_bound: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
 
     def send(self, peer: bytes, frames: list, track: bool = False) -> zmq.MessageTracker | None:
         """Send ``frames`` to ``peer`` without copying; returns a tracker when ``track``.
@@ -60,9 +62,10 @@ class RouterSocket:
         """
         return self.sock.send_multipart([peer, *frames], copy=False, track=track)
 
-    def recv(self, timeout_ms: int) -> tuple[bytes, list[zmq.Frame]] | None:
-        """``(peer, frames)`` of the next message, or ``None`` when none came in time."""
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+    def recv(self, timeout_s: float) -> tuple[bytes, list[zmq.Frame]] | None:
+        """``(peer, frames)`` of the next message, or ``None`` when none came within
+        ``timeout_s`` seconds (0: only look)."""
+        if not poll_for(self._poller, timeout_s):
             return None
         frames = self.sock.recv_multipart(copy=False)
         return frames[0].bytes, frames[1:]

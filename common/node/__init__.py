@@ -49,7 +49,7 @@ from common.node.keys import Keys, KeysError, role_of
 from common.node.keys import add as add_key
 from common.node.keys import create as create_keys
 from common.node.keys import export as export_keys
-from common.node.link import ControlHub, ControlLink, Hub, Link, wait_any
+from common.node.link import ControlHub, ControlLink, Hub, Link, poll_for, wait_any
 from common.node.registration import RouterLost
 
 # the modules that import torch: read on first use (common/lazy.py)
@@ -65,4 +65,4 @@ __all__ = ["Abort", "Bye", "CODEC", "CONTROL_DOMAIN", "ControlHub", "ControlLink
            "Scalar", "ServerGuard", "Shutdown", "Stats", "Status", "StatusReport", "Submit",
            "Tokens", "TpSpec", "WorkerBase", "add_key", "check_bind", "control_client",
            "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
-           "principal", "role_of", "run_follower", "setup_process", "wait_any"]
+           "poll_for", "principal", "role_of", "run_follower", "setup_process", "wait_any"]

@@ -12,6 +12,7 @@ messages without sockets.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -217,4 +218,16 @@ def wait_any(socks: list[zmq.Socket], timeout_s: float) -> bool:
     poller = zmq.Poller()
     for s in socks:
         poller.register(s, zmq.POLLIN)
-    return bool(poller.poll(int(timeout_s * 1000)))
+    return bool(poll_for(poller, timeout_s))
+
+
+def poll_for(poller: zmq.Poller, timeout_s: float) -> list:
+    """``poller.poll`` for up to ``timeout_s`` seconds. ZMQ counts whole milliseconds, so
+    a shorter wait looks once and sleeps the rest (a 0.2 ms wait would otherwise spin):
+    a message that comes meanwhile waits for the end of the sleep."""
+    if timeout_s >= 0.001:
+        return poller.poll(int(timeout_s * 1000))
+    ready = poller.poll(0)
+    if not ready and timeout_s > 0:
+        time.sleep(timeout_s)
+    return ready
