@@ -81,7 +81,7 @@ def _await_notifs(rx: KvReceiver, count: int) -> float:
             got += sum(m.startswith(b"raw") for m in msgs)
         if got >= count:
             return time.monotonic()
-        time.sleep(0.0001)  # a polite poller; pdkv's waits in nixl.SLICE_S (0.2 ms) slices
+        time.sleep(0.0001)  # a polite poller, as pdkv's (nixl.SLICE_S, 0.1 ms slices)
 
 
 # -- prefill side --------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_the_leak_fixture_sees_an_open_socket_and_a_live_context(no_leaked_zmq):
 
 
 def test_a_wait_shorter_than_a_millisecond_sleeps_instead_of_spinning():
-    """ZMQ polls in whole milliseconds: a 0.3 ms wait (NIXL's progress slices) polls once
+    """ZMQ polls in whole milliseconds: a 0.3 ms wait (like NIXL's progress slices) polls once
     and sleeps the rest; a readable socket answers at once."""
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)

@@ -33,13 +33,14 @@ logger = logging.getLogger(__name__)
 MODES = ("zmq", "nixl", "auto")
 """``kv_transport`` values: zmq (frames, or same-host shared memory), nixl (required: the
 handshake fails unless both ends use NIXL), auto (NIXL when both ends offer it, else zmq)."""
-SLICE_S = 0.0002
+SLICE_S = 0.0001
 """Longest wait between progress calls while NIXL writes are in flight, on both ends.
 With UCX over TCP the bytes leave the prefill and land in the decode's pool only inside
 progress calls (NIXL's own progress thread would spin a core). Alternating runs over TCP
-at 1k tokens: 0.63-0.88x raw NIXL with 1 ms slices, 0.80-0.92x with these
-(docs/benchmarks.md). A slice costs about 27 us of CPU, a tenth of a core while a write is
-in flight."""
+at 1k tokens, pdkv / raw NIXL (whose decode polls every 0.1 ms): 0.63-0.88x with 1 ms
+slices, 0.80-1.02x with 0.2 ms, 0.94-1.00x with 0.1 ms (docs/benchmarks.md). An idle
+agent's slices cost 16% of a core at 0.1 ms (10% at 0.2 ms), only while a write is in
+flight."""
 _MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' import names, newest first
 
 

@@ -223,7 +223,7 @@ def wait_any(socks: list[zmq.Socket], timeout_s: float) -> bool:
 
 def poll_for(poller: zmq.Poller, timeout_s: float) -> list:
     """``poller.poll`` for up to ``timeout_s`` seconds. ZMQ counts whole milliseconds, so
-    a shorter wait looks once and sleeps the rest (a 0.2 ms wait would otherwise spin):
+    a shorter wait looks once and sleeps the rest (a 0.1 ms wait would otherwise spin):
     a message that comes meanwhile waits for the end of the sleep."""
     if timeout_s >= 0.001:
         return poller.poll(int(timeout_s * 1000))
