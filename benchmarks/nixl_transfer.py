@@ -13,8 +13,11 @@ Like with like: both figures end when the decode knows its pool holds the bytes.
   pages with a notification, through the NIXL agent API directly, waits for ``DONE`` and
   posts the next; the time runs from the first post (prefill clock) to the last
   notification's arrival at the decode (child clock; ``CLOCK_MONOTONIC`` is system-wide).
-pdkv and raw runs alternate so that the machine's drift hits both alike; medians.
-Goal: pdkv >= ``GOAL`` x raw NIXL at every size (``judge``).
+pdkv and raw runs alternate so that the machine's drift hits both alike; medians. As in
+the tcp rows, each pdkv run is paired with the raw run after it and the median of the
+paired ratios is judged (``ratio_vs_raw_nixl_paired``; the ratio of the two medians stays
+beside it as ``ratio_vs_raw_nixl``): over UCX's TCP single runs of either side moved
+1.1-4.4 GB/s within minutes. Goal: pdkv >= ``GOAL`` x raw NIXL at every size (``judge``).
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def run_variant(variant: str, sizes: list[int], repeats: int, pool_tokens: int,
         per_tokens, _ = tr._rounds(tokens, pool_tokens)
         per_bytes = per_tokens * page_bytes // tr.PAGE
         pdkv, raw = [], []
-        for repeat in range(repeats):
+        for repeat in range(tr.repeats_for(tokens, repeats)):
             cmd.put(("pdkv", tokens, repeat))
             pdkv.append(tr._await_pdkv(tx, cache, rows, queue))
             raw.append(_raw(tx, cache, nbytes, per_bytes, queue, cmd))
@@ -155,12 +158,13 @@ def _figures(nbytes: int, pdkv: list, raw: list, mem: list) -> dict:
            "raw_nixl_gbps": gb / statistics.median(raw),
            "memcpy_gbps": gb / statistics.median(mem)}
     out["ratio_vs_raw_nixl"] = out["pdkv_gbps"] / out["raw_nixl_gbps"]
+    out["ratio_vs_raw_nixl_paired"] = statistics.median(r / p for p, r in zip(pdkv, raw))
     out["ratio_vs_memcpy"] = out["pdkv_gbps"] / out["memcpy_gbps"]
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     out["pdkv_spread_gbps"] = [round(gb / max(pdkv), 3), round(gb / min(pdkv), 3)]
     out["raw_spread_gbps"] = [round(gb / max(raw), 3), round(gb / min(raw), 3)]
     out["goal"] = f"pdkv >= {GOAL} x raw NIXL"
-    out["goal_met"] = out["ratio_vs_raw_nixl"] >= GOAL
+    out["goal_met"] = out["ratio_vs_raw_nixl_paired"] >= GOAL
     return out
 
 
@@ -170,7 +174,8 @@ def judge(report: dict, goals) -> None:
         if variant not in VARIANTS:
             continue
         for tokens, r in sizes.items():
-            goals.at_least(f"{variant} at {tokens} tokens vs raw NIXL", r["ratio_vs_raw_nixl"],
+            goals.at_least(f"{variant} at {tokens} tokens vs raw NIXL",
+                           r["ratio_vs_raw_nixl_paired"],
                            GOAL, baseline=f"raw NIXL {r['raw_nixl_gbps']:.2f} GB/s",
                            measured=f"pdkv {r['pdkv_gbps']:.2f} GB/s")
 
@@ -181,9 +186,11 @@ def print_table(report: dict) -> None:
     if not rows:
         return
     print(f"{'transport':9} {'tokens':>6} {'GiB':>5} {'pdkv':>6} {'rawnixl':>7} "
-          f"{'memcpy':>6} {'/raw':>5} {'/memcpy':>7}   (GB/s, medians; goal /raw >= {GOAL})")
+          f"{'memcpy':>6} {'/raw':>5} {'paired':>6} {'/memcpy':>7}   (GB/s, medians; goal "
+          f"paired >= {GOAL})")
     for variant, tokens, r in rows:
         print(f"{variant:9} {tokens:>6} {r['bytes'] / 2**30:5.2f} {r['pdkv_gbps']:6.2f} "
               f"{r['raw_nixl_gbps']:7.2f} {r['memcpy_gbps']:6.2f} "
-              f"{r['ratio_vs_raw_nixl']:5.2f} {r['ratio_vs_memcpy']:7.2f}"
+              f"{r['ratio_vs_raw_nixl']:5.2f} {r['ratio_vs_raw_nixl_paired']:6.2f} "
+              f"{r['ratio_vs_memcpy']:7.2f}"
               f"{'' if r['goal_met'] else '  MISS'}")

@@ -23,7 +23,8 @@ def add_bench(sub) -> None:
                                      "report GB/s next to raw pyzmq, memcpy and pickle.")
     from benchmarks.goals import add_bench_flags  # stdlib only: keeps --help fast
 
-    add_bench_flags(t, quick="small sizes, under 30 s", repeats="5, 2 with --quick")
+    add_bench_flags(t, quick="small sizes, under 30 s",
+                    repeats="5, 2 with --quick; below 8k tokens proportionally more: 8x at 1k")
     t.add_argument("--sizes", type=int, nargs="+", metavar="TOKENS",
                    help="request sizes in tokens (default 1024 8192 32768)")
     t.add_argument("--transports", nargs="+",
