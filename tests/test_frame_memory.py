@@ -71,3 +71,14 @@ def test_a_receiver_keeps_freed_frame_blocks_for_the_next_frames():
 def test_without_it_glibc_gives_them_back_and_every_round_faults_again():
     faults = _faults_per_round("default")
     assert all(n >= PAGES_PER_ROUND * 0.9 for n in faults), faults
+
+
+@pytest.mark.parametrize("frame", [0, (16 << 20) + 1, 32 << 20])
+def test_frames_a_decode_would_map_afresh_each_time_are_refused(frame):
+    """Frames of 32 MiB or more leave glibc's heaps (mapped and faulted in for every
+    frame: 0.17-0.46x of raw pyzmq); the sender's setting is refused, saying why."""
+    from transport import TransportConfig
+    with pytest.raises(ValueError, match=r"max_frame_bytes=\d+ must be in \[1, 16777216\]"
+                                         r".*afresh for every frame"):
+        TransportConfig(max_frame_bytes=frame)
+    assert TransportConfig(max_frame_bytes=16 << 20).max_frame_bytes == 16 << 20

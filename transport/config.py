@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FRAME_BYTES_LIMIT = 16 << 20
+"""Largest ``max_frame_bytes``: glibc serves blocks below 32 MiB (``frame_memory``'s
+ceiling, glibc's own) from its heaps and maps larger ones afresh; 8 and 16 MiB frames ran
+alike in ``pdkv bench transfer`` (docs/benchmarks.md)."""
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -34,7 +39,8 @@ class TransportConfig:
     done_timeout_s: float = 600.0
     """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
     max_frame_bytes: int = 8 << 20
-    """Prefill: coalesced page runs are cut into data frames of at most this many bytes."""
+    """Prefill: coalesced page runs are cut into data frames of at most this many bytes
+    (a page larger than this still travels as one frame), at most ``FRAME_BYTES_LIMIT``."""
     keep_frame_memory: bool = True
     """Decode: fix glibc's malloc thresholds (process-wide, once) so that the buffers of
     received frames stay mapped between frames instead of being faulted in afresh for
@@ -64,5 +70,8 @@ class TransportConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.kv_transport not in ("zmq", "nixl", "auto"):
             raise ValueError(f"kv_transport={self.kv_transport!r}; allowed: zmq, nixl, auto")
-        if self.max_frame_bytes < 1:
-            raise ValueError(f"max_frame_bytes={self.max_frame_bytes} must be >= 1")
+        if not 1 <= self.max_frame_bytes <= FRAME_BYTES_LIMIT:
+            raise ValueError(f"max_frame_bytes={self.max_frame_bytes} must be in [1, "
+                             f"{FRAME_BYTES_LIMIT}]: a decode's malloc maps a frame buffer of "
+                             "32 MiB or more afresh for every frame and faults each page in "
+                             "(32 MiB frames moved at 0.17-0.46x of raw pyzmq)")
