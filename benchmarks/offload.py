@@ -24,8 +24,8 @@ the pool in the same tries and is judged as the offload: how far the baseline's 
 rounds spread on this machine, printed beside the goal.
 
 Why medians of pairs: one 128 MiB copy on the 2-core box takes 6-16 ms for the same bytes
-(other machines' memory traffic), and the plain copy's rare fast tries (5.8-6.6 ms) are
-faster than any scattered copy got (8.6 ms at best). A round judged by each side's fastest
+(other machines' memory traffic), and the plain copy's rare fast tries (5.6-6.4 ms) were
+faster than any scattered offload got (7.3 ms at best). A round judged by each side's fastest
 try (this bench until 2026-12-04, 3 tries) therefore missed whenever the plain copy was
 lucky: resampled from 210 measured tries, 77% of such 7-round runs missed the goal, and
 the control (the plain copy against itself) 37%. Judged by the median of 15 paired tries
