@@ -18,6 +18,7 @@ verdict but exit 0 when a goal is missed: for exploratory runs on loaded machine
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import TextIO
@@ -107,6 +108,13 @@ class Goals:
         if self.all_met or report_only:
             return 0
         return EXIT_MISSED
+
+
+def paired_ratio(baseline_s: list[float], measured_s: list[float]) -> float:
+    """Median over runs of baseline time / measured time (measured rate / baseline rate),
+    each measured run paired with the baseline run timed beside it: drift between distant
+    runs cancels, and one lucky run of either side does not decide the figure."""
+    return statistics.median(b / m for b, m in zip(baseline_s, measured_s))
 
 
 def add_bench_flags(parser: argparse.ArgumentParser, *, quick: str, repeats: str) -> None:

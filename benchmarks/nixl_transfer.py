@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks import transfer as tr
+from benchmarks.goals import paired_ratio
 from common import KvCache
 from transport import KvReceiver, KvSender, TransportConfig
 
@@ -158,7 +159,7 @@ def _figures(nbytes: int, pdkv: list, raw: list, mem: list) -> dict:
            "raw_nixl_gbps": gb / statistics.median(raw),
            "memcpy_gbps": gb / statistics.median(mem)}
     out["ratio_vs_raw_nixl"] = out["pdkv_gbps"] / out["raw_nixl_gbps"]
-    out["ratio_vs_raw_nixl_paired"] = statistics.median(r / p for p, r in zip(pdkv, raw))
+    out["ratio_vs_raw_nixl_paired"] = paired_ratio(raw, pdkv)
     out["ratio_vs_memcpy"] = out["pdkv_gbps"] / out["memcpy_gbps"]
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     out["pdkv_spread_gbps"] = [round(gb / max(pdkv), 3), round(gb / min(pdkv), 3)]

@@ -49,7 +49,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.goals import Goals, add_bench_flags
+from benchmarks.goals import Goals, add_bench_flags, paired_ratio
 from common import KvCache, KvLayout
 from common.host import HashChain, HostTier, Offloader
 from common.kv import copy_pages, copy_threads, set_copy_threads
@@ -108,12 +108,6 @@ def _setup(num_pages: int, device: torch.device, scattered: bool):
                                       device=device).to(LAYOUT.torch_dtype)
     plain_dst = torch.empty_like(host.data[1:num_pages + 1], pin_memory=host.pinned)
     return cache, host, off, src, pages, plain_dst
-
-
-def paired_ratio(baseline_s: list[float], measured_s: list[float]) -> float:
-    """Median over tries of baseline time / measured time (measured rate / baseline rate),
-    each try's two copies timed side by side."""
-    return statistics.median(b / m for b, m in zip(baseline_s, measured_s))
 
 
 def bench_case(name: str, num_pages: int, repeats: int, device: torch.device,

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import zmq
 
-from benchmarks.goals import Goals
+from benchmarks.goals import Goals, paired_ratio
 from common import KvCache, KvLayout
 from common.node import PlaneAuth, new_kv_plane
 from transport import EventKind, KvReceiver, KvSender, TransportConfig
@@ -274,7 +274,7 @@ def _figures(nbytes: int, pdkv: list, raw: list, discard: list, mem: list, pick:
            "memcpy_gbps": gb / statistics.median(mem),
            "pickle_gbps": pick_bytes / 1e9 / statistics.median(pick)}
     out["ratio_vs_raw"] = out["pdkv_gbps"] / out["raw_zmq_gbps"]
-    out["ratio_vs_raw_paired"] = statistics.median(r / p for p, r in zip(pdkv, raw))
+    out["ratio_vs_raw_paired"] = paired_ratio(raw, pdkv)
     out["ratio_vs_raw_discard"] = out["pdkv_gbps"] / out["raw_zmq_discard_gbps"]
     out["ratio_vs_memcpy"] = out["pdkv_gbps"] / out["memcpy_gbps"]
     out["ratio_vs_pickle"] = out["pdkv_gbps"] / out["pickle_gbps"]

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.allocator import TorchPagedAllocator
-from benchmarks.goals import EXIT_MISSED, Goals, add_bench_flags
-from benchmarks.offload import paired_ratio
+from benchmarks.goals import EXIT_MISSED, Goals, add_bench_flags, paired_ratio
 from deploy.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FRAME_BYTES_LIMIT = 16 << 20
-"""Largest ``max_frame_bytes``: glibc serves blocks below 32 MiB (``frame_memory``'s
-ceiling, glibc's own) from its heaps and maps larger ones afresh; 8 and 16 MiB frames ran
-alike in ``pdkv bench transfer`` (docs/benchmarks.md)."""
+from .frame_memory import MMAP_THRESHOLD
+
+FRAME_BYTES_LIMIT = MMAP_THRESHOLD // 2
+"""Largest ``max_frame_bytes`` (16 MiB): a decode's glibc serves blocks below
+``MMAP_THRESHOLD`` (glibc's own ceiling) from its heaps and maps larger ones afresh, and a
+frame's buffer also holds libzmq's header; 8 and 16 MiB frames ran alike in ``pdkv bench
+transfer`` (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from .messages import (
     decode,
     encode,
 )
-from .nixl import SLICE_S
 from .nixl_target import NixlTarget
 from .peers import Peer, PeerTable
 from .sockets import DealerSocket
@@ -222,13 +221,13 @@ class ReceiverLink:
     def poll(self, timeout_s: float, nixl_open: bool = False) -> LinkPoll:
         """Wait up to ``timeout_s`` for any socket, take what arrived (NIXL notifications
         too), send due heartbeats, find lost peers. ``nixl_open``: a NIXL leg is open, so
-        the wait is cut into ``SLICE_S`` slices that progress NIXL (no socket wakes us
+        the wait is cut into ``nixl.SLICE_S`` slices that progress NIXL (no socket wakes us
         for a notification, and over TCP the bytes land only while we progress)."""
         out = LinkPoll()
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            wait = min(left, SLICE_S) if nixl_open and self.nixl is not None else left
+            wait = min(left, nixl.SLICE_S) if nixl_open and self.nixl is not None else left
             self._drain_ready(out, dict(poll_for(self._poller, max(0.0, wait))))
             self._take_notifications(out)
             if out.inbound or out.lost or out.more or left <= wait:
