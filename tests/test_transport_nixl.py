@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from common.freelog import replay_file
 from tests.transport_helpers import (
@@ -115,6 +116,20 @@ def test_interleaved_requests_arrive_byte_exact(tmp_path, ucx, page_size):
     assert {rid: f[0][1:] for rid, f in decode["final"].items()} == {
         "a": ("COMPLETED", "", 101), "b": ("COMPLETED", "", 102), "c": ("COMPLETED", "", 103)}
     assert all(f[0][1] == "COMPLETED" for f in prefill["final"].values())
+    assert prefill["leaked"] == [0] and decode["leaked"] == [0]
+    _assert_nixl_only(prefill, decode)
+    _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefill_device, decode_device", [
+    ("cuda:0", "cuda:0"), ("cuda:0", "cpu"), ("cpu", "cuda:0")])
+def test_vram_pools_move_by_nixl_writes_byte_exact(tmp_path, prefill_device, decode_device):
+    """Pools registered as VRAM (UCX's own choice of transport: cuda_ipc / cuda_copy)."""
+    plan = _plan(4, prefill_device=prefill_device, decode_device=decode_device)
+    prefill, decode, paths = _run_pair(plan, tmp_path)
+    assert list(paths[0].values()) == ["nixl"]
+    assert decode["correct"] == {"a@0": True, "b@0": True, "c@0": True}
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
     _assert_nixl_only(prefill, decode)
     _assert_logs_clean(tmp_path, ["prefill0", "decode0"])

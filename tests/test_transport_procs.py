@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from common.freelog import replay_file
 from tests.transport_helpers import DecodeDriver, PrefillDriver, decode_child, prefill_child
@@ -93,6 +94,22 @@ def test_interleaved_requests_arrive_byte_exact(tmp_path, kind, page_size):
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
     _assert_data_path(kind, prefill, decode)
     _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefill_device, decode_device, prefill_tp", [
+    ("cuda:0", "cuda:0", 1), ("cuda:0", "cpu", 1), ("cpu", "cuda:0", 1), ("cuda:0", "cuda:0", 2)])
+def test_gpu_pools_move_over_frames_byte_exact(tmp_path, prefill_device, decode_device,
+                                               prefill_tp):
+    """A CUDA pool's frames are staged through host memory (transport/pool_view.py); a
+    shared-memory offer is declined by a prefill whose pool is not on the host."""
+    plan = _plan(4, prefill_tp=prefill_tp, total_heads=8, shm=decode_device == "cpu",
+                 prefill_device=prefill_device, decode_device=decode_device)
+    prefill, decode = _run_pair(plan, tmp_path, "tcp")
+    assert decode["correct"] == {"a@0": True, "b@0": True, "c@0": True}
+    assert prefill["leaked"] == [0] * prefill_tp and decode["leaked"] == [0]
+    _assert_data_path("tcp", prefill, decode)
+    _assert_logs_clean(tmp_path, [f"prefill{r}" for r in range(prefill_tp)] + ["decode0"])
 
 
 @pytest.mark.parametrize("kind", ["ipc", "shm"])

@@ -503,13 +503,13 @@ def test_shm_copy_matches_a_per_page_reference_across_gaps_and_head_slices(src_h
     import torch
 
     from common.kv import copy_pages
-    from transport.channel import PoolView
+    from transport.pool_view import HostPoolView
     src = torch.randn(16, 3, 2, 4, 4, 8)
     dst, want = torch.zeros_like(src), torch.zeros_like(src)
     sp, dp = np.array([3, 4, 5, 9, 10, 11]), np.array([7, 8, 2, 3, 4, 12])
     assert page_runs(sp, dp) == [(3, 7, 2), (5, 2, 1), (9, 3, 2), (11, 12, 1)]
     s, d = slice(*src_heads), slice(*dst_heads)
-    assert copy_pages(PoolView(src).shaped, sp, PoolView(dst).shaped, dp, src_heads=s,
+    assert copy_pages(HostPoolView(src).shaped, sp, HostPoolView(dst).shaped, dp, src_heads=s,
                       dst_heads=d) == 4
     for a, b in zip(sp, dp):
         want[b, :, :, :, d] = src[a, :, :, :, s]

@@ -17,10 +17,10 @@ def layout(total_heads: int = 4, tp_size: int = 1, dtype: str = "float32") -> Kv
 
 
 def make_cache(num_pages: int, page_size: int, lay: KvLayout, log_path=None,
-               node: str = "node", shared: bool = False) -> KvCache:
+               node: str = "node", shared: bool = False, device: str = "cpu") -> KvCache:
     """``shared``: the pool lives in shared memory (a decode offering the shm data path)."""
     return KvCache(num_pages, page_size, layout=lay, log_path=log_path, node=node,
-                   max_rows=64, shared_memory=shared)
+                   max_rows=64, shared_memory=shared, device=device)
 
 
 def pattern(seed: int, num_tokens: int, lay: KvLayout, head_start: int,
@@ -38,16 +38,19 @@ def pattern(seed: int, num_tokens: int, lay: KvLayout, head_start: int,
 
 def write_row(cache: KvCache, kv, values: torch.Tensor, start: int = 0) -> None:
     """Write ``values`` ([tokens, layers, 2, heads, dim]) at row positions start..."""
-    slots = cache.slots(kv, start, start + values.shape[0])
     data = cache.data()
+    slots = torch.as_tensor(cache.slots(kv, start, start + values.shape[0]),
+                            device=data.device)
     ps = cache.page_size
-    data[slots // ps, :, :, slots % ps] = values
+    data[slots // ps, :, :, slots % ps] = values.to(data.device)
 
 
 def read_row(cache: KvCache, kv, start: int, end: int) -> torch.Tensor:
-    slots = cache.slots(kv, start, end)
+    """Row positions ``[start, end)`` as a CPU tensor ``[tokens, layers, 2, heads, dim]``."""
+    data = cache.data()
+    slots = torch.as_tensor(cache.slots(kv, start, end), device=data.device)
     ps = cache.page_size
-    return cache.data()[slots // ps, :, :, slots % ps]
+    return data[slots // ps, :, :, slots % ps].cpu()
 
 
 def config(node: str, rank: int = 0, size: int = 1, **kw) -> TransportConfig:
@@ -65,7 +68,8 @@ def config(node: str, rank: int = 0, size: int = 1, **kw) -> TransportConfig:
 #                       "cached": int, "first_token": int}},
 #    "prefill_abort_after": {rid: chunks}, "prefill_stall_after": {rid: chunks},
 #    "decode_abort_after_frames": {rid: 1}, "chunk_delay_s": float,
-#    "shm": bool (decode pools in shared memory, so a same-host prefill writes into them)}
+#    "shm": bool (decode pools in shared memory, so a same-host prefill writes into them),
+#    "prefill_device", "decode_device": where each side's pools live (default "cpu")}
 
 def _pattern_for_rank(plan: dict, rid: str, lay: KvLayout, size: int, rank: int):
     req = plan["requests"][rid]
@@ -84,7 +88,7 @@ class PrefillDriver:
         for rank in range(size):
             log = None if log_dir is None else f"{log_dir}/prefill{rank}.log"
             cache = make_cache(plan["num_pages"], plan["page_size"], self.lay, log,
-                               f"prefill{rank}")
+                               f"prefill{rank}", device=plan.get("prefill_device", "cpu"))
             self.caches.append(cache)
             self.senders.append(KvSender(cache, addresses[rank],
                                          config(f"prefill{rank}", rank, size, **cfg_kw)))
@@ -190,7 +194,8 @@ class DecodeDriver:
         for rank in range(size):
             log = None if log_dir is None else f"{log_dir}/decode{rank}.log"
             self.caches.append(make_cache(plan["num_pages"], plan["page_size"], self.lay,
-                                          log, f"decode{rank}", plan.get("shm", False)))
+                                          log, f"decode{rank}", plan.get("shm", False),
+                                          plan.get("decode_device", "cpu")))
             rx = KvReceiver(self.caches[rank], config(f"decode{rank}", rank, size, **cfg_kw))
             rx.connect(addresses)
             self.receivers.append(rx)

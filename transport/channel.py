@@ -2,8 +2,9 @@
 
 Workers never see this module; ``KvSender``/``KvReceiver`` drive it. A new backend (CUDA
 IPC, NIXL/RDMA) implements ``DataChannel`` (how bytes of a run leave, and when the source
-pages may be touched again) and reuses ``PoolView`` and ``common.kv.page_runs``; ``shm.ShmChannel``
-is the same-host example. Every copy between pools goes through ``common.kv.copy_pages``.
+pages may be touched again) and reuses ``pool_view.PoolView`` and ``common.kv.page_runs``;
+``shm.ShmChannel`` is the same-host example. Every copy between pools goes through
+``common.kv.copy_pages``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import torch
 
-from common.kv import copy_pages, page_runs
+from common.kv import page_runs
 
 from .messages import KvChunk, encode
+from .pool_view import PoolView
 from .sockets import RouterSocket
 
 
@@ -92,39 +93,3 @@ class ZmqChannel(DataChannel):
             offset += length
         self.stats["frames_sent"] += len(runs)
         return [] if tracker is None else [tracker]
-
-
-class PoolView:
-    """Byte views of a KvCache data tensor (no copy; whoever holds the tensor owns it).
-
-    ``# shaped: [num_pages, total_layers, 2, page_size, heads_per_rank, head_dim * itemsize]``
-    """
-
-    def __init__(self, data: torch.Tensor):
-        assert data.is_contiguous() and data.device.type == "cpu", (data.shape, data.device)
-        raw = data.view(torch.uint8).numpy()
-        self.shaped = raw
-        self.flat = raw.reshape(raw.shape[0], -1)
-        self.num_heads = raw.shape[4]
-
-    def block_bytes(self, num_heads: int) -> int:
-        """Bytes of one page restricted to ``num_heads`` heads."""
-        return self.flat.shape[1] // self.num_heads * num_heads
-
-    def read(self, first_page: int, num_pages: int, heads: slice) -> np.ndarray:
-        """Payload of consecutive pages: a view when all heads, else a staging copy."""
-        if heads.stop - heads.start == self.num_heads:
-            return self.flat[first_page:first_page + num_pages]
-        return np.ascontiguousarray(self.shaped[first_page:first_page + num_pages, :, :, :,
-                                                heads])
-
-    def write(self, dest_pages: np.ndarray, heads: slice, payload: memoryview) -> int:
-        """Copy a frame (``[len(dest_pages), ..., heads, ...]``) into ``dest_pages``;
-        returns the number of runs it took (1 for consecutive pages)."""
-        shape = self.shaped.shape
-        src = np.frombuffer(payload, dtype=np.uint8).reshape(
-            len(dest_pages), *shape[1:4], heads.stop - heads.start, shape[5])
-        # on this thread: landing through the copier's helper threads left ZMQ's next
-        # receive buffers fresh (every byte page-faulted again; docs/benchmarks.md)
-        return copy_pages(src, np.arange(len(dest_pages)), self.shaped, dest_pages,
-                          dst_heads=heads, split=False)

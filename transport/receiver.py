@@ -38,7 +38,6 @@ import zmq
 from common.node import INSECURE, PlaneAuth
 
 from . import handshake, tp
-from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .frame_memory import keep_frame_memory
@@ -65,6 +64,7 @@ from .messages import (
 from .nixl import SLICE_S
 from .nixl_target import target_for
 from .peers import Peer, PeerTable
+from .pool_view import pool_view
 from .receiver_data import land_chunk
 from .receiver_link import DRAIN_BYTES, ReceiverLink
 
@@ -103,7 +103,7 @@ class KvReceiver:
         self.peers = PeerTable(config.node, config.heartbeat_s, self.stats)
         self.transfers: dict[str, Incoming] = {}
         self._parked: dict[str, _Parked] = {}   # announced to a group still connecting
-        self.pool = PoolView(cache.data())
+        self.pool = pool_view(cache.data())
         # before the context: a NIXL that cannot serve kv_transport=nixl raises here
         self.nixl = target_for(config, cache, self.stats)  # None unless kv_transport asks
         self._own_ctx = ctx is None

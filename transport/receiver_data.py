@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import zmq
 
-from .channel import PoolView
 from .incoming import Incoming, InLeg
 from .messages import ErrorCode, KvChunk, ProtocolError
+from .pool_view import PoolView
 
 
 def land_chunk(pool: PoolView, inc: Incoming, leg: InLeg, heads: slice, msg: KvChunk,

@@ -33,7 +33,6 @@ from common.node import INSECURE, PlaneAuth
 
 from . import handshake, tp
 from .capability import Capabilities
-from .channel import PoolView
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .limits import ABORT_REASONS
@@ -54,6 +53,7 @@ from .messages import (
 from .nixl_channel import source_for
 from .outgoing import Outgoing, OutState, announced_leg
 from .peers import Peer, PeerTable
+from .pool_view import pool_view
 from .sender_link import SenderLink
 from .streamer import Streamer
 
@@ -90,7 +90,7 @@ class KvSender:
         self.caps = Capabilities(config.require_capability, config.admission_timeout_s,
                                  self.stats)
         try:
-            self.link = SenderLink(self._ctx, address, PoolView(cache.data()), hello, config,
+            self.link = SenderLink(self._ctx, address, pool_view(cache.data()), hello, config,
                                    self.peers, self.stats, self.nixl, auth)
         except BaseException:
             if self._own_ctx:

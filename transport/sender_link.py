@@ -20,13 +20,14 @@ from common.kv import SegmentError
 from common.node import INSECURE, PlaneAuth
 
 from . import handshake, nixl, shm, tp
-from .channel import DataChannel, PoolView, ZmqChannel
+from .channel import DataChannel, ZmqChannel
 from .config import TransportConfig
 from .events import Event, EventKind
 from .link import Inbound, LinkPoll, count_error, is_unreachable, parse
 from .messages import Bye, Error, ErrorCode, Heartbeat, Hello, Message, ProtocolError, encode
 from .nixl_channel import NixlChannel, NixlSource
 from .peers import PeerTable
+from .pool_view import PoolView
 from .sockets import RouterSocket
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class SenderLink:
         """The shared-memory channel to a decode that offers its pool on this host."""
         h = self.hello
         if not (self.config.shared_memory and theirs.shm_pool and h.host_id
-                and theirs.host_id == h.host_id):
+                and theirs.host_id == h.host_id and self.pool.on_host):
             return None
         mapped = shm.attach(theirs)
         if mapped is None:

@@ -27,8 +27,9 @@ from functools import cache
 
 from common.kv import KvLayout, SegmentError, SharedTensor, copy_pages
 
-from .channel import BlockRun, Completion, DataChannel, PoolView
+from .channel import BlockRun, Completion, DataChannel
 from .messages import Hello, KvWritten, encode
+from .pool_view import HostPoolView
 from .sockets import RouterSocket
 
 logger = logging.getLogger(__name__)
@@ -81,11 +82,11 @@ class ShmChannel(DataChannel):
 
     name = "shm"
 
-    def __init__(self, router: RouterSocket, pool: PoolView, mapped: SharedTensor,
+    def __init__(self, router: RouterSocket, pool: HostPoolView, mapped: SharedTensor,
                  dst_heads: slice, stats: Counter):
         self.router, self.pool, self.stats = router, pool, stats
         self.mapped = mapped
-        self.dest = PoolView(mapped.tensor)
+        self.dest = HostPoolView(mapped.tensor)
         self.dst_heads = dst_heads
 
     def send_blocks(self, run: BlockRun) -> list[Completion]:
