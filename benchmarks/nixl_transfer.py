@@ -59,9 +59,9 @@ def _ucx_tls(value: str | None):
 
 
 # -- decode child --------------------------------------------------------------------------
-def _child(address: str, pool_tokens: int, queue, cmd) -> None:
+def _child(address: str, pool_tokens: int, queue, cmd, device: str = "cpu") -> None:
     """Serve ``("pdkv", tokens, repeat)`` and ``("raw", writes)`` jobs until None."""
-    cache = tr._cache(pool_tokens, "decode")
+    cache = tr._cache(pool_tokens, "decode", device=device)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
     rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
     rx.connect(address)
@@ -114,23 +114,25 @@ def _raw(tx: KvSender, cache: KvCache, nbytes: int, per_bytes: int, queue, cmd) 
 
 
 def run_variant(variant: str, sizes: list[int], repeats: int, pool_tokens: int,
-                tmpdir: str) -> dict:
-    """Every figure of one NIXL variant; returns ``{tokens: {figure: value}}``."""
+                tmpdir: str, device: str = "cpu") -> dict:
+    """Every figure of one NIXL variant; returns ``{tokens: {figure: value}}``. With a
+    ``device`` both pools are VRAM, and raw NIXL writes VRAM to VRAM too."""
     with _ucx_tls(VARIANTS[variant]):
-        cache = tr._cache(pool_tokens, "prefill")
+        cache = tr._cache(pool_tokens, "prefill", device=device)
         cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
         tx = KvSender(cache, f"ipc://{tmpdir}/nixl.sock", TransportConfig(node="prefill",
                                                                            **CFG))
         spawn = mp.get_context("spawn")
         queue, cmd = spawn.Queue(), spawn.Queue()
-        proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, queue, cmd))
+        proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, queue, cmd,
+                                                  device))
         proc.start()
     rows: dict = {}
     while not tx.peers:  # handshake
         tr._pump(tx, cache, tx.poll(0.02), rows)
     assert list(tx.data_paths().values()) == ["nixl"], tx.data_paths()
     page_bytes = tr.LAYOUT.page_bytes(tr.PAGE)
-    src = cache.data().view(torch.uint8).numpy().reshape(-1)
+    src = tr.host_bytes(cache)
     results = {}
     for tokens in sizes:
         nbytes = tokens * page_bytes // tr.PAGE

@@ -20,19 +20,20 @@ from benchmarks import offload, speculative
 from benchmarks.goals import Goals
 from common.config import ServeConfig
 from deploy.launcher import Cluster
-from deploy.run import serve_workload
+from deploy.run import check_devices, serve_workload
 from deploy.summary import pct
 from deploy.workload import WorkloadSpec
 
 
-def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: int) -> dict:
+def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: int,
+                model: str = "tiny", device: str = "cpu") -> dict:
     """TTFT of follow-up turns through a real 1P1D deployment."""
-    cfg = ServeConfig(offload=offload_on, prefill_pages=1024, decode_pages=1024,
+    cfg = ServeConfig(model=model, offload=offload_on, prefill_pages=1024, decode_pages=1024,
                       host_pages=1024, chunk_size=512, max_prefill_tokens=1024)
     spec = WorkloadSpec(requests=convs * turns, seed=0, rate=1.0, prompt_len=(32, 64),
                         output_len=(4, 8), turns=turns, shared_prefix=prefix,
                         turn_gap_s=1.0)
-    cluster = Cluster(cfg, "disagg", 1, 1, threads=threads).start()
+    cluster = Cluster(cfg, "disagg", 1, 1, devices=[device], threads=threads).start()
     results, stats, _ = serve_workload(cluster, spec)
     cluster.cleanup()
     follow = [r.ttft_s for rid, r in results.items() if not rid.endswith("-t0") and r.ok]
@@ -43,17 +44,20 @@ def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: 
 
 
 def main(args: argparse.Namespace) -> int:
-    argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix)]
+    model, device = getattr(args, "model", "tiny"), getattr(args, "device", "cpu")
+    check_devices([device])
+    argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix),
+            "--config", model, "--device", device]
     if args.quick:
         argv.append("--quick")
     quiet = io.StringIO()  # --json: one object, so the inner printout is dropped
     with contextlib.redirect_stdout(quiet) if args.json else contextlib.nullcontext():
         spec = speculative.main(argv)
-    served = [served_ttft(args.prefix, 3, 2 if args.quick else 4, on, args.threads)
-              for on in (False, True)]
+    served = [served_ttft(args.prefix, 3, 2 if args.quick else 4, on, args.threads, model,
+                          device) for on in (False, True)]
     result = {"speculative": spec, "served_ttft": served,
               "served_ttft_speedup": served[0]["ttft_p50_ms"] / served[1]["ttft_p50_ms"],
-              "offload": offload.run(args.quick, None, None)}
+              "offload": offload.run(args.quick, None, device)}
     goals = Goals("spec")
     for c in result["offload"]["cases"]:
         goals.at_least(f"host offload {c['case']} vs plain copy", c["offload_vs_plain"],

@@ -30,6 +30,12 @@ is judged (``ratio_vs_raw_paired``; drift between distant runs cancels out); exi
 same transport's ``none`` row's (each row's raw pyzmq runs interleave with its pdkv runs,
 so the machine's drift between rows cancels); the raw baselines are always
 unauthenticated. The goal is judged on the ``none`` rows only.
+
+``--device cuda:N`` puts both pools on that GPU (``shm`` needs CPU pools): frames then
+stage every run through host memory on each side (``transport.pool_view``) and NIXL
+registers VRAM. The baselines still move host bytes (raw pyzmq lands them in a host
+buffer of the pool's size; memcpy is host to host), so those rows report absolute
+figures and the goals, set for CPU pools, are not judged.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import zmq
 
 from benchmarks.goals import Goals, paired_ratio
 from common import KvCache, KvLayout
+from common.config import ConfigError
 from common.node import PlaneAuth, new_kv_plane
 from transport import EventKind, KvReceiver, KvSender, TransportConfig
 
@@ -65,9 +72,15 @@ def repeats_for(tokens: int, repeats: int) -> int:
     return repeats * max(1, 8192 // tokens)
 
 
-def _cache(tokens: int, node: str, shared: bool = False) -> KvCache:
+def _cache(tokens: int, node: str, shared: bool = False, device: str = "cpu") -> KvCache:
     return KvCache(tokens // PAGE + 2, PAGE, layout=LAYOUT, node=node, max_rows=4,
-                   shared_memory=shared)
+                   shared_memory=shared, device=device)
+
+
+def host_bytes(cache: KvCache) -> np.ndarray:
+    """The pool's bytes in host memory: a view of a CPU pool, a copy of a device one."""
+    data = cache.data() if cache.device.type == "cpu" else cache.data().cpu()
+    return data.view(torch.uint8).numpy().reshape(-1)
 
 
 def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
@@ -77,16 +90,16 @@ def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
 
 # -- decode child --------------------------------------------------------------------------
 def _child(address: str, pool_tokens: int, shared: bool, queue, cmd,
-           auth: dict | None = None) -> None:
+           auth: dict | None = None, device: str = "cpu") -> None:
     """Serve jobs from ``cmd``: ``("pdkv", tokens, repeat)`` or a baseline, until None.
     ``auth``: the KV plane's credentials (``PlaneAuth.to_dict``), None for none."""
-    cache = _cache(pool_tokens, "decode", shared)
+    cache = _cache(pool_tokens, "decode", shared, device)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
     plane = PlaneAuth.kv_from_dict(auth) if auth else new_kv_plane("null")
     rx = KvReceiver(cache, TransportConfig(node="decode", **CFG), auth=plane)
     rx.connect(address)
     ctx = zmq.Context()
-    dest = cache.data().view(torch.uint8).numpy().reshape(-1)  # raw lands here too
+    dest = host_bytes(cache)  # raw lands here too (a warm host buffer for a device pool)
     while (job := cmd.get()) is not None:
         if job[0] == "pdkv":
             f0 = _faults()
@@ -187,9 +200,9 @@ def _memcpy(src: np.ndarray, total: int) -> float:
 
 
 def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: int,
-                  tmpdir: str, security: str = "none") -> dict:
+                  tmpdir: str, security: str = "none", device: str = "cpu") -> dict:
     """Every measurement for one transport; returns ``{tokens: {figure: value}}``."""
-    cache = _cache(pool_tokens, "prefill")
+    cache = _cache(pool_tokens, "prefill", device=device)
     cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
     address = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/pdkv.sock"
     plane = new_kv_plane("null" if security == "none" else security)
@@ -198,13 +211,13 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     queue, cmd = spawn.Queue(), spawn.Queue()
     proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, transport == "shm",
                                               queue, cmd, plane.to_dict()
-                                              if plane.secured else None))
+                                              if plane.secured else None, device))
     proc.start()
     rows: dict = {}
     while not tx.peers:  # handshake
         _pump(tx, cache, tx.poll(0.02), rows)
     pool_bytes = pool_tokens * LAYOUT.page_bytes(PAGE) // PAGE
-    src = cache.data().view(torch.uint8).numpy().reshape(-1)[:pool_bytes]
+    src = host_bytes(cache)[:pool_bytes]
     base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
     results = {}
     for tokens in sizes:
@@ -290,6 +303,13 @@ def main(args) -> int:
     sizes = args.sizes or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     repeats = args.repeats or (2 if args.quick else 5)
     pool_tokens = args.pool_tokens or (2048 if args.quick else 8192)
+    device = getattr(args, "device", "cpu")
+    if device != "cpu" and "shm" in args.transports:
+        raise ConfigError("--transports shm needs CPU pools (the decode pool in shared "
+                          f"memory); with --device {device} measure tcp, ipc, nixl or "
+                          "nixl-tcp")
+    from deploy.run import check_devices
+    check_devices([device])   # a GPU this machine lacks: one clear line, no child started
     from benchmarks import nixl_transfer  # NIXL rows (--transports nixl nixl-tcp)
     report = {}
     modes = getattr(args, "kv_security", None) or ["none"]
@@ -297,21 +317,23 @@ def main(args) -> int:
         for transport in args.transports:
             if transport in nixl_transfer.VARIANTS:   # NIXL's data path is not ZMQ's
                 report[transport] = {str(t): r for t, r in nixl_transfer.run_variant(
-                    transport, sizes, repeats, pool_tokens, tmpdir).items()}
+                    transport, sizes, repeats, pool_tokens, tmpdir, device).items()}
                 continue
             for mode in modes:
                 name = transport if mode == "none" else f"{transport}+{mode}"
                 report[name] = {str(t): r for t, r in run_transport(
-                    transport, sizes, repeats, pool_tokens, tmpdir, mode).items()}
+                    transport, sizes, repeats, pool_tokens, tmpdir, mode, device).items()}
                 base = report.get(transport) if mode != "none" else None
                 for tokens, r in report[name].items():
                     if base is not None:   # each against its own raw runs: drift cancels
                         r["ratio_vs_none"] = round(r["ratio_vs_raw_paired"]
                                                    / base[tokens]["ratio_vs_raw_paired"], 3)
-    goals = judge(report)
+    goals = judge(report) if device == "cpu" else Goals("transfer")
     if args.json:
-        print(json.dumps({**report, **goals.to_dict()}, indent=2))
+        print(json.dumps({"device": device, **report, **goals.to_dict()}, indent=2))
     else:
+        if device != "cpu":
+            print(f"pools on {device}; baselines move host bytes; goals not judged")
         _print_table({k: v for k, v in report.items() if k not in nixl_transfer.VARIANTS})
         nixl_transfer.print_table(report)
         goals.print()

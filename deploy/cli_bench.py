@@ -41,6 +41,11 @@ def add_bench(sub) -> None:
     t.add_argument("--pool-tokens", type=int,
                    help="pool size in tokens; larger requests move as several pool-sized "
                         "requests (default 8192, 2048 with --quick)")
+    t.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where both pools live: cpu (default) or cuda:N; on a GPU frames "
+                        "are staged through host memory and NIXL registers VRAM; the "
+                        "baselines move host bytes, so the goals (set for CPU pools) are "
+                        "reported, not judged; shm needs cpu")
     t.set_defaults(func=_run_bench_transfer)
     _add_bench_allocator(bench)
     _add_bench_replay(bench)
@@ -64,6 +69,13 @@ def _add_bench_spec(bench) -> None:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per served worker")
+    p.add_argument("--model", default="tiny", metavar="NAME",
+                   help="built-in model config of the decode and TTFT figures and of the "
+                        "served deployment (tiny, small, llama-1b-shape, llama-8b-shape; "
+                        "default tiny)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="cpu (default) or cuda:N: the in-process model, the served "
+                        "workers and the offload bench's device pool")
     p.set_defaults(func=_run_bench_spec)
 
 
@@ -185,6 +197,10 @@ def _add_bench_serve(bench) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="exit 0 even when requests failed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--devices", default="cpu", metavar="LIST",
+                   help="comma-separated devices given to each deployment's workers "
+                        "round-robin, as pdkv run's (default cpu); e.g. cuda:0 puts every "
+                        "worker of both sides on one GPU")
     g = p.add_argument_group("with --endpoint")
     g.add_argument("--served-model", metavar="NAME",
                    help="model name to send (default: the server's first in /v1/models)")

@@ -81,12 +81,22 @@ def test_config_and_config_json_together_are_refused(capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("argv", [["run", "--devices", "cpu,cuda:0"],
                                   ["decode", "--router", "ipc:///nonexistent", "--device",
-                                   "cuda:0"]])
+                                   "cuda:0"],
+                                  ["bench", "transfer", "--device", "cuda:0",
+                                   "--transports", "tcp"],
+                                  ["bench", "spec", "--device", "cuda:0"],
+                                  ["bench", "serve", "--devices", "cuda:0"]])
 def test_cuda_devices_are_checked_before_anything_starts(capsys, argv):
     t0 = time.monotonic()
     err = one_line_error(capsys, argv)
     assert "device 'cuda:0': this machine has no usable CUDA device" in err
     assert time.monotonic() - t0 < 60  # refused up front, not after a startup deadline
+
+
+def test_bench_transfer_refuses_shared_memory_for_gpu_pools(capsys):
+    err = one_line_error(capsys, ["bench", "transfer", "--device", "cuda:0", "--transports",
+                                  "tcp", "shm"])
+    assert "--transports shm needs CPU pools" in err
 
 
 @pytest.mark.parametrize("device, words", [("tpu", "allowed: cpu, cuda, cuda:N"),

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU round: every check that needs a CUDA machine, in one run of about 8 minutes.
+#   bash benchmarks/gpu/wheels.sh          # once, on a machine that can download
+#   bash benchmarks/gpu/round.sh           # on the GPU machine, from the repository root
+# It needs the image's python3 (or $PYTHON) with CUDA torch, and .whl/ (pyzmq, NIXL)
+# beside it. Each step has its own time limit and the round goes on past a failed step; the figures land
+# in $OUT (default ./gpu-out) as JSON, with round.log. Steps:
+#   1. the CUDA tests: frames from and into GPU pools, NIXL VRAM (tests marked for CUDA)
+#   2. pdkv bench transfer --device: tcp frames (staged through host memory) and NIXL
+#      (VRAM to VRAM), 1k/8k/32k tokens
+#   3. pdkv bench spec on llama-1b-shape: speculation, prefix reuse (in process and
+#      served 1P1D), host offload from GPU pages
+#   4. pdkv bench serve on llama-1b-shape: 1P1D against two colocated workers, a rate
+#      sweep, every worker on the one GPU
+# DEVICE=cpu QUICK=1 MODEL=tiny PYTHON=.venv/bin/python runs the same steps on a CPU
+# machine, small (a check of the script itself).
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu-out}
+DEVICE=${DEVICE:-cuda:0}
+QUICK=${QUICK:-}
+MODEL=${MODEL:-llama-1b-shape}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/round.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ -d .whl ] && ! "$PY" -c "import zmq" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  "$PY" -c "import zipfile, glob
+for z in glob.glob('.whl/*-slim.zip'): zipfile.ZipFile(z).extractall('/tmp/site')"
+fi
+"$PY" - <<'PY'
+import torch, zmq
+from transport import nixl
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices",
+      [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+print("pyzmq", zmq.__version__, "| NIXL:", nixl.import_error() or "importable")
+PY
+
+step() {  # step NAME SECONDS COMMAND...: stdout to $OUT/NAME.json, with a time limit
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T), limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.json"
+  echo "== $name: exit $? after $((SECONDS - t0))s"
+}
+if [ -n "$QUICK" ]; then
+  sizes=(1024 8192); spec=(--quick); serve=(--quick --rates 4 16)
+else
+  sizes=(1024 8192 32768); spec=(--repeats 3); serve=(--rates 4 16 64 --requests 32 --repeats 1)
+fi
+
+# the limits add up to 540 s: the round fits one 10-minute command with its set-up
+echo "== tests ($(date +%T))"
+timeout --kill-after=10 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_pool_view.py \
+  tests/test_transport_procs.py tests/test_transport_nixl.py -k "gpu or vram or staged"
+echo "== tests: exit $?"
+for transport in tcp nixl; do
+  step "transfer-$transport" 100 "$PY" -m deploy.cli bench transfer --device "$DEVICE" \
+    --json --report-only --transports "$transport" --sizes "${sizes[@]}" --repeats 3
+done
+step spec 120 "$PY" -m deploy.cli bench spec --device "$DEVICE" --model "$MODEL" --json \
+  --report-only "${spec[@]}"
+step serve 130 "$PY" -m deploy.cli bench serve --devices "$DEVICE" --model "$MODEL" \
+  --json --report-only --plot "$OUT/serve.png" "${serve[@]}"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null || true
