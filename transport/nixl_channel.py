@@ -22,6 +22,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 
+import torch
 import zmq
 
 from . import nixl
@@ -86,6 +87,10 @@ class NixlChannel(DataChannel):
         notif = encode(KvWritten(rid=run.rid, first_block=run.first_block,
                                  num_blocks=len(dest), head_start=run.heads[0],
                                  head_end=run.heads[1]))
+        if self.local.mem == "VRAM":
+            # UCX reads VRAM outside torch's streams: the kernels that computed this KV
+            # must have finished first (the frame path's device-to-host copy waits too)
+            torch.cuda.synchronize(self.local.dev)
         try:
             handle, state = self.agent.write(local, self.local.mem, remote, self.remote.mem,
                                              self.peer_agent, notif)
