@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
 
 from common.config import ServeConfig
 from common.kv import KvCache, OutOfPages
@@ -109,8 +112,11 @@ class SpeculativeStep:
         proposals = self._propose(runner, seqs, ks)
         verify = runner.forward_all([BatchItem(s.kv, s.output[-1:] + props, s.next_position)
                                      for s, props in zip(seqs, proposals)])
-        out = [self._accept(runner.cache, s, props, logits.argmax(-1).tolist())
-               for s, props, logits in zip(seqs, proposals, verify)]
+        # every sequence's verified ids reach the host in one copy (one device sync)
+        ids = torch.cat(verify).argmax(-1).tolist()
+        starts = accumulate((len(logits) for logits in verify), initial=0)
+        out = [self._accept(runner.cache, s, props, ids[start:start + len(logits)])
+               for s, props, logits, start in zip(seqs, proposals, verify, starts)]
         self.stats.num_steps += 1
         return out
 

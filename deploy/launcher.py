@@ -160,6 +160,8 @@ class Cluster:
         device = 0  # every rank of every worker gets the next device, round-robin
         for role, name in roles:
             tp = self.config.role_tp(role)
+            check_group_devices(name, [self.devices[(device + r) % len(self.devices)]
+                                        for r in range(tp)])
             ranks = [] if tp == 1 else ["--tp-size", str(tp), "--tp-address",
                                         self._tp_address(), "--tp-timeout-s",
                                         str(self.config.tp_timeout_s)]
@@ -330,3 +332,17 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def check_group_devices(name: str, devices: list[str]) -> None:
+    """NCCL wants one GPU per rank of a tensor-parallel group: refuse, before anything
+    starts, a group whose ranks the round-robin would put on one GPU.
+
+    Raises:
+        ValueError: naming the worker, its ranks' devices and what to give.
+    """
+    gpus = [f"cuda:{d.split(':')[1] if ':' in d else 0}" for d in devices if d != "cpu"]
+    if len(set(gpus)) < len(gpus):
+        raise ValueError(f"{name}'s {len(devices)} tensor-parallel ranks would share a GPU "
+                         f"({', '.join(devices)}): NCCL needs one GPU per rank; give "
+                         f"--devices with at least {len(devices)} distinct GPUs per group")

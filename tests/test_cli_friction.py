@@ -93,6 +93,19 @@ def test_cuda_devices_are_checked_before_anything_starts(capsys, argv):
     assert time.monotonic() - t0 < 60  # refused up front, not after a startup deadline
 
 
+@pytest.mark.parametrize("devices, shared", [
+    (["cuda:0", "cuda:0"], True), (["cuda", "cuda:0"], True), (["cuda:0", "cuda:1"], False),
+    (["cpu", "cpu"], False)])
+def test_ranks_of_a_tensor_parallel_group_never_share_a_gpu(devices, shared):
+    from deploy.launcher import check_group_devices
+    if not shared:
+        check_group_devices("decode0", devices)
+        return
+    with pytest.raises(ValueError, match="decode0's 2 tensor-parallel ranks would share a "
+                                         "GPU .*NCCL needs one GPU per rank"):
+        check_group_devices("decode0", devices)
+
+
 def test_bench_transfer_refuses_shared_memory_for_gpu_pools(capsys):
     err = one_line_error(capsys, ["bench", "transfer", "--device", "cuda:0", "--transports",
                                   "tcp", "shm"])

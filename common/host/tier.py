@@ -250,10 +250,15 @@ class CopyEngine:
         job = CopyJob()
         # The side stream waits for the compute stream, which wrote the KV being copied.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            copy_pages(src, src_pages, dst, dst_pages, non_blocking=True)
-            job._cuda_event = torch.cuda.Event()
-            job._cuda_event.record(self._stream)
+        try:
+            with torch.cuda.stream(self._stream):
+                copy_pages(src, src_pages, dst, dst_pages, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        except BaseException as exc:  # reported to the job's owner, as on CPU: its pins
+            job.set_done(exc)         # and pages are released by whoever reaps it
+            return job
+        job._cuda_event = event
         return job
 
     def run_if_next(self, job: CopyJob) -> None:

@@ -14,9 +14,11 @@ stream, after the device pins recorded before them. A follower repeats them in o
     h_copy    device <-> host pages, started   copies its heads of those pages, at once
     h_close   the host log's close event       writes its own
 
-A follower's copy runs when it applies the op, before the pass that follows in the step:
-on CPU synchronously, on CUDA queued on the rank's current stream, so the pass that reads
-a loaded page, and any later write into a page the copy read, come after it. Rank 0's
+A follower's copy runs when it applies the op, before the pass that follows in the step,
+and returns when it is done (on CUDA too: a copy only queued on the stream could be
+overtaken by a write that ignores stream order, such as a NIXL WRITE into a page
+unpinned meanwhile), so the pass that reads a loaded page, and any later write into a
+page the copy read, come after it. Rank 0's
 device pins for the copy are recorded like every other pin and its unpin comes after its
 own copy ended, so a follower's copy has ended by the time it repeats that unpin: page
 states stay identical on every rank, and so do the allocators' choices. The cost: a
@@ -142,8 +144,10 @@ class HostMirror:
         src_pages, dst_pages = pages[:half], pages[half:]
         device, host = self.cache.data(), self.host.data
         src, dst = (device, host) if to_host else (host, device)
-        # CUDA: on the current stream, before the pass and any later write to these pages
-        copy_pages(src, src_pages, dst, dst_pages, non_blocking=device.is_cuda)
+        # Blocking, also on CUDA: rank 0's unpins that follow are applied as soon as they
+        # come, and a write that ignores stream order (a NIXL WRITE into a reused page)
+        # must not overtake a copy still queued on the stream
+        copy_pages(src, src_pages, dst, dst_pages)
         if to_host:
             self.num_offloaded_pages += half
         else:

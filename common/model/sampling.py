@@ -20,13 +20,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], labels: list[str]
     """One token per row of ``logits`` ([batch, vocab]); ``labels`` seed the draws of
     requests without a seed of their own."""
     greedy = logits.argmax(dim=-1).tolist()
+    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    # the rows to draw from reach the host in one copy (one device sync per batch)
+    rows = dict(zip(drawn, logits[drawn].double().cpu())) if drawn else {}
     out = []
     for i, p in enumerate(params):
         if p.temperature == 0:
             out.append(int(greedy[i]))
             continue
         gen = torch.Generator().manual_seed(_seed(p.seed, labels[i], steps[i]))
-        probs = torch.softmax(logits[i].double().cpu() / p.temperature, dim=-1)
+        probs = torch.softmax(rows[i] / p.temperature, dim=-1)
         probs = truncate(probs, p.top_k, p.top_p)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out

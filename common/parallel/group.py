@@ -91,7 +91,8 @@ class TpGroup:
                                     timeout=timeout)
             group._joined = True
             if backend == "nccl":
-                torch.cuda.set_device(group.device)
+                # a bare "cuda" is the current device (set_device wants an index)
+                torch.cuda.set_device(group.device.index or 0)
                 group._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         except Exception as exc:
             group.close()
