@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu/wheels.sh          # once, on a machine that can download
 #   bash benchmarks/gpu/round.sh           # on the GPU machine, from the repository root
 # It needs the image's python3 (or $PYTHON) with CUDA torch, and .whl/ (pyzmq, NIXL)
-# beside it. Each step has its own time limit and the round goes on past a failed step; the figures land
-# in $OUT (default ./gpu-out) as JSON, with round.log. Steps:
+# beside it. Each step has its own time limit and the round goes on past a failed step;
+# the figures land in $OUT (default ./gpu-out) as JSON, with round.log. Steps:
 #   1. the CUDA tests: frames from and into GPU pools, NIXL VRAM (tests marked for CUDA)
 #   2. pdkv bench transfer --device: tcp frames (staged through host memory) and NIXL
 #      (VRAM to VRAM), 1k/8k/32k tokens

@@ -5,8 +5,8 @@
 # and it cannot download. Writes .whl/ (ignored by git; carry it with the run):
 #   pyzmq-*.whl              as published (cp312, manylinux x86-64)
 #   nixl_cu13-slim.zip       NIXL for CUDA 13 (the image's torch is cu130) without its
-#                            expert-parallel kernels and C++ headers: 56 MiB -> about
-#                            25 MiB, under the 64 MiB that a run may carry
+#                            expert-parallel kernels and C++ headers: 56 MiB -> 29 MiB,
+#                            under the 64 MiB that a run may carry
 # round.sh unpacks both into /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
