@@ -18,7 +18,8 @@ import json
 
 from benchmarks import offload, speculative
 from benchmarks.goals import Goals
-from common.config import ServeConfig
+from common.config import ConfigError, ServeConfig
+from common.model import get_config
 from deploy.launcher import Cluster
 from deploy.run import check_devices, serve_workload
 from deploy.summary import pct
@@ -45,6 +46,10 @@ def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: 
 
 def main(args: argparse.Namespace) -> int:
     model, device = getattr(args, "model", "tiny"), getattr(args, "device", "cpu")
+    try:
+        get_config(model)
+    except ValueError as exc:  # one line before anything runs, as deploy.cli prints it
+        raise ConfigError(f"--model: {exc}") from None
     check_devices([device])
     argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix),
             "--config", model, "--device", device]
