@@ -256,6 +256,10 @@ class Request:
     """Order in which it joined the batch (kept across retraction); -1 before."""
     num_draft_valid: int = 0
     """Speculation: draft-model KV is valid at row positions [0, num_draft_valid)."""
+    draft_lag: int = 0
+    """Speculation: committed positions at the row's end whose draft KV the draft has not
+    written yet (1 after a step that accepted every proposal); the host connector stores
+    their page once the draft caught up, never with a stale draft entry."""
     chain: HashChain | None = None
     """Host connector: hash chain over its committed tokens (None: not offloading)."""
     num_offered_pages: int = 0

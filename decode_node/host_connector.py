@@ -75,12 +75,18 @@ class HostConnector:
         """Complete finished copies; returns how many."""
         return self.offloader.poll()
 
-    def _offload(self, req: Request) -> None:
+    def _offload(self, req: Request, final: bool = False) -> None:
+        """Offer the committed full pages not offered yet. While decoding, a page whose
+        draft KV lags (speculation) waits for the draft's catch-up in the next step; when
+        the row ends (``final``: finished or retracted) no catch-up comes in it, and the
+        page goes as it is: its target KV is whole, one draft entry may be stale
+        (docs/host_tier.md)."""
         kv, chain = req.kv, req.chain
-        full = kv.committed_len // self.page_size
+        ready = kv.committed_len - (0 if final else req.draft_lag)
+        full = ready // self.page_size
         if full <= req.num_offered_pages:
             return
-        committed = req.output[:kv.committed_len - req.prompt_len]
+        committed = req.output[:ready - req.prompt_len]
         chain.extend(committed[chain.num_tokens - req.prompt_len:])
         self.offloader.prepare_store(kv, chain)  # None: cached, in flight or host full
         req.num_offered_pages = full
@@ -99,7 +105,7 @@ class HostConnector:
             False: nothing in flight; the caller frees and closes now.
         """
         if req.chain is not None:
-            self._offload(req)
+            self._offload(req, final=True)
             req.chain = None
         self.offloader.poll()
         if not self.offloader.pending(req.kv):
@@ -148,7 +154,7 @@ class HostConnector:
         """
         if req.chain is None:
             raise ValueError(f"retract({req.rid!r}): not tracked; call track() when it joins")
-        self._offload(req)
+        self._offload(req, final=True)  # resume loads every committed full page back
         kv, chain = req.kv, req.chain
         full = kv.committed_len // self.page_size
         req.host_ref = chain.keys[full - 1] if full else None

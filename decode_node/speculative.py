@@ -170,10 +170,12 @@ class SpeculativeStep:
         # accepted proposals' (the last emitted token gets its KV next step).
         cache.commit(s.kv, len(tokens))
         p = s.next_position
-        if props and self.ngram is None:
-            # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
-            valid = p + min(a, len(props) - 1) + 1  # committed tokens
-            s.num_draft_valid = min(valid, s.kv.committed_len)
+        if self.ngram is None:
+            if props:
+                # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
+                valid = p + min(a, len(props) - 1) + 1  # committed tokens
+                s.num_draft_valid = min(valid, s.kv.committed_len)
+            s.draft_lag = s.kv.committed_len - s.num_draft_valid
         st = self.stats
         st.num_seq_steps += 1
         st.num_proposed += len(props)

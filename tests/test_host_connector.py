@@ -174,6 +174,27 @@ def test_follow_up_turn_loads_the_shared_prefix_and_matches_the_reference(model,
     n.close_and_replay()
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_a_page_whose_draft_kv_lags_waits_for_the_catch_up(model, tmp_path, page_size):
+    """A step that accepts every proposal commits a position the draft never ran; while
+    the request decodes, its page is offered only once the next step's catch-up wrote
+    that draft KV, so no stored page carries a stale draft entry, and none is written
+    while it copies."""
+    n = Node(model, tmp_path, page_size, num_pages=80, host_pages=80, k=2)
+    s = n.admit("a", prompt(9, seed=5), 40)
+    lagged = 0
+    while len(n.batch):
+        n.step()
+        if s.is_done:
+            break
+        lagged += s.draft_lag and s.kv.committed_len % page_size == 0
+        assert s.num_offered_pages * page_size <= s.num_draft_valid, (s.kv, s.draft_lag)
+    assert lagged  # the story met the case it is about
+    n.drain()
+    assert n.outputs["a"] == generate_greedy(model, [prompt(9, seed=5)], 40)[0]
+    n.close_and_replay()
+
+
 def test_retract_frees_the_row_and_resume_continues_exactly(model, tmp_path):
     engine = SwitchEngine()
     n = Node(model, tmp_path, 4, engine=engine, k=2)
