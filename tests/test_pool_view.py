@@ -1,7 +1,8 @@
 """The frame path's pool views: a CPU pool's frames are views of it; an accelerator pool's
 frames are staged through host memory. The staged view runs here on CPU pools, so its
-logic (shapes, head slices, gaps) is proven without a GPU; the CUDA stories at the end
-run where a GPU is."""
+logic (shapes, head slices, gaps) is proven without a GPU; the CUDA stories, which run
+where a GPU is, are in test_transport_procs.py (frames) and test_transport_nixl.py (VRAM).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import torch
 
 from tests.test_transport_unit import Pair, _connect_and_transfer
 from transport.pool_view import HostPoolView, StagedPoolView, pool_view
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _pool(seed: int) -> torch.Tensor:
