@@ -29,7 +29,7 @@ from benchmarks.http_client import Record, Target, run, summarize_records
 from deploy.config_args import config_from_args
 from deploy.driver import Result, drive
 from deploy.launcher import Cluster
-from deploy.run import check_devices, workload_from_args
+from deploy.run import devices_from, workload_from_args
 from deploy.workload import WorkloadSpec, make_workload
 
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
@@ -66,7 +66,7 @@ def _specs(args: argparse.Namespace) -> list[tuple[float, WorkloadSpec]]:
 def _sweep_cluster(args, mode: str, n_p: int, n_d: int) -> dict[float, dict]:
     cfg = config_from_args(args)
     vocab = cfg.model_config().vocab_size
-    cluster = Cluster(cfg, mode, n_p, n_d, devices=devices_of(args),
+    cluster = Cluster(cfg, mode, n_p, n_d, devices=devices_from(args.devices),
                       threads=args.threads).start()
     try:
         return {rate: point(records_of(drive(cluster.client, make_workload(spec, vocab),
@@ -87,16 +87,9 @@ def _sweep_endpoint(args) -> dict[float, dict]:
             for rate, spec in _specs(args)}
 
 
-def devices_of(args: argparse.Namespace) -> list[str]:
-    """``--devices``, checked against this machine (``deploy.run.check_devices``)."""
-    devices = [d.strip() for d in getattr(args, "devices", "cpu").split(",") if d.strip()]
-    check_devices(devices)
-    return devices
-
-
 def main(args: argparse.Namespace) -> int:
     args.repeats = args.repeats or (1 if args.quick else 3)
-    devices_of(args)  # before any deployment starts
+    devices_from(args.devices)  # before any deployment starts
     args.requests = args.requests or (12 if args.quick else 48)
     if args.endpoint:
         deployments = [(args.endpoint, None)]
@@ -147,7 +140,7 @@ def _resources(args: argparse.Namespace) -> str:
     if args.endpoint:
         return f"the server at {args.endpoint}"
     return (f"each pair has the same worker processes, {args.threads} torch thread(s) each, "
-            f"on {getattr(args, 'devices', 'cpu')}, behind one router")
+            f"on {args.devices}, behind one router")
 
 
 def format_table(out: dict) -> str:

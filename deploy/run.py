@@ -51,6 +51,17 @@ def check_devices(devices: list[str]) -> None:
                               f"cuda:0 to cuda:{count - 1}")
 
 
+def devices_from(spec: str) -> list[str]:
+    """``--devices`` (comma-separated) as a list, checked against this machine.
+
+    Raises:
+        ConfigError: a device that is none or that this machine lacks (``check_devices``).
+    """
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    check_devices(devices)
+    return devices
+
+
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(requests=args.requests, seed=args.seed, rate=args.rate,
                         prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
@@ -145,8 +156,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdkv run: error: {exc}", file=sys.stderr)  # as deploy.cli prints ConfigError
         return 2
     spec = workload_from_args(args)
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    check_devices(devices)
+    devices = devices_from(args.devices)
     try:
         cluster = make_cluster(args, cfg, devices, keys_dir=args.auth_keys,
                                metrics_port=args.metrics_port, metrics_host=args.metrics_host)
