@@ -113,14 +113,18 @@ def test_tp_groups_disaggregated_equal_the_reference_and_every_rank_log_is_clean
 
 
 def _scrape_all_ranks(url: str, ptp: int, dtp: int) -> dict:
-    """The router's /metrics once every rank of both groups reported (heartbeats)."""
+    """The router's /metrics once every rank of both groups reported its pool and its KV
+    peers' data paths. The router shows each worker's latest report; one CI run scraped a
+    prefill report with the pools of both ranks but no peers (cause not found: the run's
+    outputs and logs were right), so wait for a report that has both."""
     want = _ranks(ptp, dtp)
     deadline = time.monotonic() + 30
     while True:
         samples = scrape(url)
-        got = {(lb["worker"], lb.get("rank")) for lb, _ in samples.get("pdkv_kv_pages", [])}
-        if want <= got or time.monotonic() > deadline:
-            assert want <= got, (want, got)
+        got = {name: {(lb["worker"], lb.get("rank")) for lb, _ in samples.get(name, [])}
+               for name in ("pdkv_kv_pages", "pdkv_transfer_data_path")}
+        if all(want <= ranks for ranks in got.values()) or time.monotonic() > deadline:
+            assert all(want <= ranks for ranks in got.values()), (want, got)
             return samples
         time.sleep(0.1)
 
