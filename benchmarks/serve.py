@@ -39,14 +39,10 @@ LAYOUTS = {"1p1d": [("1P1D", "disagg", 1, 1), ("2 colocated (DP)", "colocated", 
 
 
 def records_of(results: dict[str, Result]) -> list[Record]:
-    """The router client's results as client-side records (first and last token)."""
-    out = []
-    for r in results.values():
-        chunks = [r.t_first] + ([r.t_last] if len(r.output_ids) > 1 else [])
-        out.append(Record(r.prompt_len, r.t_submit, chunks if r.t_first else [], r.t_done,
-                          len(r.output_ids), r.reason,
-                          "" if r.ok else f"{r.reason or 'lost'}: {r.error}"))
-    return out
+    """The router client's results as client-side records (every token message)."""
+    return [Record(r.prompt_len, r.t_submit, list(r.t_tokens), r.t_done, len(r.output_ids),
+                   r.reason, "" if r.ok else f"{r.reason or 'lost'}: {r.error}")
+            for r in results.values()]
 
 
 def point(records: list[Record], args: argparse.Namespace) -> dict:

@@ -34,9 +34,9 @@ class Result:
     """stop, length, aborted, error, timeout, peer_lost; empty while in flight."""
     error: str = ""
     t_submit: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
-    """When the last token arrived (``done`` may follow later)."""
+    t_tokens: list[float] = field(default_factory=list)
+    """When each message with tokens arrived: a speculative step streams several tokens
+    in one, so the gaps are the inter-token latencies a streaming client sees."""
     t_done: float = 0.0
     xfer_s: float = 0.0
     """Last prefill chunk computed -> the decode holds all KV and the first token (wall
@@ -46,6 +46,15 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.reason in ("stop", "length")
+
+    @property
+    def t_first(self) -> float:
+        return self.t_tokens[0] if self.t_tokens else 0.0
+
+    @property
+    def t_last(self) -> float:
+        """When the last token arrived (``done`` may follow later)."""
+        return self.t_tokens[-1] if self.t_tokens else 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -189,8 +198,7 @@ def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
     now = time.monotonic()
     if isinstance(msg, Tokens):
         if msg.ids:
-            res.t_first = res.t_first or now
-            res.t_last = now
+            res.t_tokens.append(now)
         res.output_ids.extend(msg.ids)
         res.text += msg.text
         return False

@@ -101,3 +101,19 @@ def test_bench_allocator_quick_reports_the_torch_baseline():
     assert names == ["free_kv_row page 1 vs torch", "free_kv_row page 16 vs torch",
                      "free_kv_row page 16 vs naive loop", "recording overhead"]
     assert doc["goals"][0]["ratio"] == pytest.approx(rows[1]["vs_torch"])
+
+
+def test_served_figures_count_every_token_message():
+    # 5 tokens in 3 messages (the second one a speculative step's 3 tokens): the ITLs are
+    # the gaps between messages, TPOT the span over the tokens after the first
+    from benchmarks.http_client import summarize_records
+    from benchmarks.serve import records_of
+    from deploy.driver import Result
+
+    res = Result("r0", 8, 5, output_ids=[1, 2, 3, 4, 5], reason="length", t_submit=1.0,
+                 t_tokens=[1.1, 1.12, 1.16], t_done=1.17)
+    fig = summarize_records(records_of({"r0": res}), ttft_target_s=1.0, tpot_target_s=0.1)
+    assert fig["ttft_p50_ms"] == pytest.approx(100.0)
+    assert fig["tpot_p50_ms"] == pytest.approx(60.0 / 4)
+    assert fig["itl_p50_ms"] == pytest.approx(30.0)   # gaps of 20 and 40 ms
+    assert fig["itl_p99_ms"] == pytest.approx(39.8)

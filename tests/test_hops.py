@@ -53,7 +53,7 @@ def test_without_the_variable_nothing_is_kept_or_written(tmp_path):
 
 def _result(rid: str, t_submit: float, t_first: float) -> Result:
     return Result(rid, 8, 4, output_ids=[1, 2], reason="length", t_submit=t_submit,
-                  t_first=t_first)
+                  t_tokens=[t_first])
 
 
 def test_timeline_orders_points_by_median_and_steps_per_request():
