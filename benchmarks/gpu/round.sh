@@ -55,7 +55,8 @@ fi
 # CUDA test spawns a process that initialises CUDA: the tests get the longest limit)
 echo "== tests ($(date +%T))"
 timeout --kill-after=10 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_pool_view.py \
-  tests/test_transport_procs.py tests/test_transport_nixl.py -k "gpu or vram or staged"
+  tests/test_transport_procs.py tests/test_transport_nixl.py tests/test_page_copy.py \
+  -k "gpu or vram or staged"
 echo "== tests: exit $?"
 step transfer-tcp 90 "$PY" -m deploy.cli bench transfer --device "$DEVICE" --json \
   --report-only --transports tcp --sizes "${sizes[@]}" --repeats 3
