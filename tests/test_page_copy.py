@@ -265,34 +265,11 @@ def test_a_waiter_runs_its_own_next_copy_in_its_own_thread():
     engine.close()
 
 
-@pytest.mark.parametrize("offload", [True, False], ids=["offload", "load"])
-def test_staged_copies_move_scattered_pages_in_the_host_sides_runs(offload, monkeypatch):
-    # the CUDA <-> host staging, run on CPU tensors (the device pages' side is ``src`` on
-    # an offload): 40 scattered 8 KiB pages in chunks of 6 pages, host runs of 5
-    import common.kv.page_copy as pc
-    monkeypatch.setattr(pc, "STAGE_BYTES", 6 * 8192)
-    dev = torch.randn((64, 2, 2, 4, 2, 64))
-    host = torch.randn((80, 2, 2, 4, 2, 64))
-    dev_pages = np.random.default_rng(3).permutation(np.arange(64))[:40]
-    host_pages = np.concatenate([np.arange(s, s + 5) for s in range(2, 80, 10)])
-    src, src_pages, dst, dst_pages = ((dev, dev_pages, host, host_pages) if offload
-                                      else (host, host_pages, dev, dev_pages))
-    want = _reference(src, src_pages, dst, dst_pages)
-    copies = []
-    real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, o, **kw: copies.append(len(o)) or
-                        real_copy(t, o, **kw))
-    pc._staged_copy(src, src_pages, dst, dst_pages, non_blocking=False, offload=offload)
-    assert torch.equal(dst, want)
-    # every bus copy lies in one host run and one chunk: runs of 5 cut at multiples of 6
-    assert sum(copies) == 40 and max(copies) <= 5 and len(copies) == 13, copies
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("host_scattered", [False, True], ids=["host-runs", "both-scattered"])
 def test_gpu_scattered_pages_to_and_from_pinned_host_are_byte_exact(host_scattered):
-    # through the host tier's engine (its own stream, non-blocking copies, an event), a
-    # staged copy (host runs) and a per-run copy (both sides scattered), both directions
+    # through the host tier's engine (its own stream, non-blocking copies, an event):
+    # scattered device pages into a host run and into scattered host pages, and back
     dev = torch.randn((300, 2, 2, 16, 4, 64), device="cuda")
     host = torch.zeros((300, 2, 2, 16, 4, 64)).pin_memory()
     rng = np.random.default_rng(11)

@@ -21,12 +21,7 @@ How each run moves (measured on a 2-core CPU; one frame or copy per run, never p
 - Scattered small pages on one device: ``index_select(out=...)`` gathers at near memcpy
   speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
   scattered too. Index ops on narrow dtypes run several times slower.
-- CUDA <-> host: one ``copy_`` (a cudaMemcpyAsync) per run, except where the device
-  side has at least 4x the host side's runs (an offload of scattered pages into a fresh
-  host run, a load back): the device pages are gathered into (or scattered from) a
-  staging buffer of at most ``STAGE_BYTES`` on the device, one kernel, and the bus moves
-  the host side's runs. Per-run copies of 256 scattered 512 KiB pages ran at 0.65x a
-  plain copy of the same bytes on an H200 (docs/benchmarks.md).
+- Otherwise (CUDA <-> host): one ``copy_`` per run.
 """
 
 from __future__ import annotations
@@ -48,11 +43,6 @@ SPLIT_ABOVE_BYTES = 2 << 20
 # The smallest share of a split copy: below it, taking a share (a few microseconds of
 # Python under the GIL) costs more than the memcpy it hands out.
 MIN_SHARE_BYTES = 1 << 20
-# The device staging buffer of a CUDA <-> host copy whose device side is scattered. It is
-# taken from torch's caching allocator on the copy's stream (reused, not allocated anew,
-# by the next such copy on that stream) and kept small next to a KV pool: at 16 MiB a
-# staged chunk is a few bus copies of ~0.3 ms each, so a chunk's kernel launch is noise.
-STAGE_BYTES = 16 << 20
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray | None = None,
@@ -144,9 +134,6 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
             small or (1 + np.count_nonzero(breaks[1])) * 4 <= len(dst_pages)):
         _gather_copy(src, src_pages, dst, dst_pages)
         return num_runs
-    if _stages(src, dst, breaks, num_runs):
-        _staged_copy(src, src_pages, dst, dst_pages, non_blocking, offload=src.is_cuda)
-        return num_runs
     for s, d, n in page_runs(src_pages, dst_pages):
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
     return num_runs
@@ -193,43 +180,6 @@ def _gather_copy(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
         return
     dst_idx = torch.from_numpy(dst_pages).to(dst.device)
     dst64.index_copy_(0, dst_idx, src64.index_select(0, src_idx))
-
-
-def _stages(src: Pool, dst: Pool, breaks: tuple[np.ndarray, np.ndarray],
-            num_runs: int) -> bool:
-    """A CUDA <-> host copy whose host side has at most a quarter of the copy's runs."""
-    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)) or \
-            {src.device.type, dst.device.type} != {"cuda", "cpu"} or \
-            not (_int64_viewable(src) and _int64_viewable(dst)):
-        return False
-    host_runs = 1 + int(np.count_nonzero(breaks[1] if src.is_cuda else breaks[0]))
-    return host_runs * 4 <= num_runs
-
-
-def _staged_copy(src: torch.Tensor, src_pages: np.ndarray, dst: torch.Tensor,
-                 dst_pages: np.ndarray, non_blocking: bool, offload: bool) -> None:
-    """CUDA <-> host with scattered device pages, in chunks of at most ``STAGE_BYTES``:
-    gather the device pages (``src`` when ``offload``) into a staging buffer and copy it
-    out in the host side's runs, or (load) copy the host runs in and scatter the buffer;
-    on the current stream, so the caching allocator reuses the buffer only after these
-    copies."""
-    dev, dev_pages, host, host_pages = ((src, src_pages, dst, dst_pages) if offload
-                                        else (dst, dst_pages, src, src_pages))
-    dev64 = dev.view(dev.shape[0], -1).view(torch.int64)
-    host64 = host.view(host.shape[0], -1).view(torch.int64)
-    step = max(1, STAGE_BYTES // (dev64.shape[1] * 8))
-    for a in range(0, len(dev_pages), step):
-        idx = torch.from_numpy(dev_pages[a:a + step]).to(dev.device)
-        stage = torch.empty((len(idx), dev64.shape[1]), dtype=torch.int64, device=dev.device)
-        if offload:
-            torch.index_select(dev64, 0, idx, out=stage)
-        for h, k, n in page_runs(host_pages[a:a + step], np.arange(len(idx))):
-            if offload:
-                host64[h:h + n].copy_(stage[k:k + n], non_blocking=non_blocking)
-            else:
-                stage[k:k + n].copy_(host64[h:h + n], non_blocking=non_blocking)
-        if not offload:
-            dev64.index_copy_(0, idx, stage)
 
 
 def _byte_rows(t: Pool) -> np.ndarray:
