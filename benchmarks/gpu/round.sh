@@ -53,7 +53,7 @@ fi
 
 # the limits add up to 530 s: the round fits one 10-minute command with its set-up. On
 # the first H200 round (2026-12-04) the steps took 29, 43, 30, 108 and 73 s: spec, near
-# its old 110 s limit then, has the longest
+# its old 110 s limit, now has the longest
 echo "== tests ($(date +%T))"
 timeout --kill-after=10 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_pool_view.py \
   tests/test_transport_procs.py tests/test_transport_nixl.py tests/test_page_copy.py \
