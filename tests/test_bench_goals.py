@@ -13,7 +13,10 @@ import pytest
 
 from benchmarks.allocator import TorchPagedAllocator
 from benchmarks.goals import EXIT_MISSED, Goals, add_bench_flags, paired_ratio
+from benchmarks.http_client import summarize_records
+from benchmarks.serve import records_of
 from deploy.cli import build_parser
+from deploy.driver import Result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,10 +109,6 @@ def test_bench_allocator_quick_reports_the_torch_baseline():
 def test_served_figures_count_every_token_message():
     # 5 tokens in 3 messages (the second one a speculative step's 3 tokens): the ITLs are
     # the gaps between messages, TPOT the span over the tokens after the first
-    from benchmarks.http_client import summarize_records
-    from benchmarks.serve import records_of
-    from deploy.driver import Result
-
     res = Result("r0", 8, 5, output_ids=[1, 2, 3, 4, 5], reason="length", t_submit=1.0,
                  t_tokens=[1.1, 1.12, 1.16], t_done=1.17)
     fig = summarize_records(records_of({"r0": res}), ttft_target_s=1.0, tpot_target_s=0.1)

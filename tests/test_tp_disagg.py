@@ -123,8 +123,9 @@ def _scrape_all_ranks(url: str, ptp: int, dtp: int) -> dict:
         samples = scrape(url)
         got = {name: {(lb["worker"], lb.get("rank")) for lb, _ in samples.get(name, [])}
                for name in ("pdkv_kv_pages", "pdkv_transfer_data_path")}
-        if all(want <= ranks for ranks in got.values()) or time.monotonic() > deadline:
-            assert all(want <= ranks for ranks in got.values()), (want, got)
+        reported = all(want <= ranks for ranks in got.values())
+        if reported or time.monotonic() > deadline:
+            assert reported, (want, got)
             return samples
         time.sleep(0.1)
 
