@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.goals import Goals
+from benchmarks.goals import EPILOG, Goals, add_bench_flags, run_as_script
 from common import KvCache, ceil_align
 
 ROW_TOKENS = 128 * 1024
@@ -234,9 +235,17 @@ def main(args: argparse.Namespace) -> int:
     return goals.exit_status(args)
 
 
+def add_command(bench) -> None:
+    """``pdkv bench allocator``: its arguments (registered in pyproject.toml)."""
+    a = bench.add_parser("allocator", help="free_kv_row and free-log recording vs baselines",
+                         description="free_kv_row of a 128k-token row at page sizes 1, 16 "
+                                     "and 64, recording on, against a vectorised torch "
+                                     "allocator in the style of sglang's and a naive "
+                                     "per-slot Python loop; a request workload with and "
+                                     "without a free log.", epilog=EPILOG)
+    add_bench_flags(a, quick="3 repeats, 1000 requests", repeats="7, 3 with --quick")
+    a.set_defaults(func=main)
+
+
 if __name__ == "__main__":
-    import sys
-
-    from deploy.cli import main as cli_main
-
-    sys.exit(cli_main(["bench", "allocator", *sys.argv[1:]]))
+    sys.exit(run_as_script(add_command))

@@ -1,7 +1,7 @@
 """``pdkv bench frontdoor``: what the HTTP front door adds, measured in one run.
 
 One 1P1D deployment serves the same seeded workload in alternating passes, straight
-into the router (``deploy.driver``, as ``pdkv run`` sends it) and through the HTTP front
+into the router (``deploy.loadgen.driver``, as ``pdkv run`` sends it) and through the HTTP front
 door over streaming HTTP (``benchmarks.http_client``, as any OpenAI client sends it);
 the first pass of each kind is a warm-up. Per repeat it compares TTFT p50 and output
 tokens/s; the figures quoted are medians over repeats.
@@ -43,17 +43,19 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.goals import run_as_script
 from benchmarks.http_client import Target, run, summarize_records
 from benchmarks.serve import records_of
+from common.auth import Keys, create_keys
 from common.config import ServeConfig
-from common.node import Keys, create_keys
-from deploy.client import Client
-from deploy.config_args import config_from_args
-from deploy.driver import drive
 from deploy.http.process import ServerProcess, frontend_process
-from deploy.launcher import Cluster
-from deploy.run import workload_from_args
-from deploy.workload import make_workload
+from deploy.launch.config_args import config_from_args
+from deploy.launch.flags import add_config_flags, add_workload_flags
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import workload_from_args
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import make_workload
+from deploy.router.client import Client
 
 TTFT_GOAL_MS = 1.0
 TOKENS_GOAL = 0.95
@@ -250,3 +252,38 @@ def _table(out: dict) -> str:
                  f"{out['ttft_p50_added_passes_ms']:+.2f} ms between the passes' p50s")
     lines.append(f"tokens/s ratio {out['tokens_per_s_ratio']:.3f} (goal >= {TOKENS_GOAL})")
     return "\n".join(lines)
+
+
+def add_command(bench) -> None:
+    """``pdkv bench frontdoor``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser(
+        "frontdoor", help="the HTTP front door's cost: HTTP vs straight into the router",
+        description="One 1P1D deployment serves the same workload in alternating passes "
+                    "straight into the router and through the HTTP front door over "
+                    "streaming HTTP; reports TTFT p50 added and the tokens/s ratio (goals: "
+                    "<= 1 ms, >= 0.95). The front door is pdkv serve's (the router in its "
+                    "event loop) or, with --shape frontend, pdkv frontend in front of a "
+                    "router process. The host tier is off unless --offload is given (a pass "
+                    "would reuse the previous pass's prefixes).",
+        epilog="exit status: 0 goals met; 1 a goal missed (unless --report-only) or a "
+               "request failed.")
+    p.add_argument("--quick", action="store_true",
+                   help="1 pass pair of 12 requests after the warm-up (unless given)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="pass pairs after one warm-up pair; medians (default 5, 1 with "
+                        "--quick)")
+    p.add_argument("--ttft-target", type=float, default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--tpot-target", type=float, default=0.1, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print results as one JSON object")
+    p.add_argument("--report-only", action="store_true", help="exit 0 on a missed goal")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--shape", choices=["serve", "frontend"], default="serve",
+                   help="serve: pdkv serve, the router in the front door's loop (default); "
+                        "frontend: pdkv frontend in front of a router process")
+    add_workload_flags(p, None, "48, 12 with --quick")
+    add_config_flags(p)
+    p.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
@@ -132,3 +133,23 @@ def add_bench_flags(parser: argparse.ArgumentParser, *, quick: str, repeats: str
     parser.add_argument("--report-only", action="store_true",
                         help="report missed goals but exit 0 (default: exit 1 when a goal "
                              "this bench prints is missed)")
+
+
+EPILOG = ("exit status: 0 every goal met (or --report-only), 1 a goal it printed was missed, "
+          "2 bad arguments.")
+
+
+def run_as_script(add_command: Callable[[argparse._SubParsersAction], None],
+                  argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.NAME ...``: the bench's own ``add_command`` parses ``argv``
+    exactly as ``pdkv bench NAME ...`` would, without the command line above it."""
+    parser = argparse.ArgumentParser(prog="pdkv bench")
+    add_command(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args([_only_command(parser), *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+def _only_command(parser: argparse.ArgumentParser) -> str:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    (name,) = sub.choices
+    return name

@@ -38,15 +38,16 @@ from dataclasses import replace
 import numpy as np
 import zmq
 
-from benchmarks.goals import Goals
+from benchmarks.goals import Goals, add_bench_flags, run_as_script
 from common import trace
 from common.config import ServeConfig
-from deploy.config_args import config_from_args
-from deploy.driver import Result, drive
-from deploy.launcher import Cluster
-from deploy.routes import label_of
-from deploy.run import workload_from_args
-from deploy.workload import WorkRequest, make_workload
+from deploy.launch.config_args import config_from_args
+from deploy.launch.flags import add_config_flags, add_workload_flags
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import workload_from_args
+from deploy.loadgen.driver import Result, drive
+from deploy.loadgen.workload import WorkRequest, make_workload
+from deploy.router.routes import label_of
 
 BUDGET_MS = 1.0
 DEPLOYMENTS = (("colocated", "colocated", 0, 1), ("1P1D", "disagg", 1, 1))
@@ -303,7 +304,27 @@ def format_table(out: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    from deploy.cli import main as cli_main
+def add_command(bench) -> None:
+    """``pdkv bench hops``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser(
+        "hops", help="the TTFT disaggregation adds at light load, hop by hop",
+        description="Serve the same seeded prompts one at a time through one colocated "
+                    "worker and through 1P1D (alternating); report both TTFTs, the "
+                    "request's KV transfer at its data path's speed measured in the same "
+                    "run, the hop cost (1P1D - colocated - transfer; goal <= 1 ms) and "
+                    "each traced point of a request's path (router, prefill, decode) in "
+                    "ms since the client's submit. The host tier is off unless --offload.",
+        epilog="exit status: 0 goal met; 1 goal missed (unless --report-only) or a request "
+               "failed.")
 
-    sys.exit(cli_main(["bench", "hops", *sys.argv[1:]]))
+    add_bench_flags(p, quick="1 repeat of 8 requests", repeats="3, 1 with --quick")
+    p.add_argument("--warmup", type=int, default=3, metavar="N",
+                   help="requests served first on each deployment, not counted (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    add_workload_flags(p, None, "24, 8 with --quick; --rate is not used: one at a time")
+    add_config_flags(p)
+    p.set_defaults(func=main, output_len=[4, 8])
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

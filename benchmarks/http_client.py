@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from deploy.workload import WorkRequest
+from deploy.loadgen.workload import WorkRequest
 
 
 @dataclass

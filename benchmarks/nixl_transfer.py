@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from benchmarks import transfer as tr
+from benchmarks import transfer_rig as tr
 from benchmarks.goals import paired_ratio
 from common import KvCache
 from transport import KvReceiver, KvSender, TransportConfig
@@ -61,13 +61,13 @@ def _ucx_tls(value: str | None):
 # -- decode child --------------------------------------------------------------------------
 def _child(address: str, pool_tokens: int, queue, cmd, device: str = "cpu") -> None:
     """Serve ``("pdkv", tokens, repeat)`` and ``("raw", writes)`` jobs until None."""
-    cache = tr._cache(pool_tokens, "decode", device=device)
+    cache = tr.cache(pool_tokens, "decode", device=device)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
     rx = KvReceiver(cache, TransportConfig(node="decode", **CFG))
     rx.connect(address)
     while (job := cmd.get()) is not None:
         if job[0] == "pdkv":
-            queue.put(("pdkv", job[1], tr._receive(rx, cache, job[1], job[2], pool_tokens)))
+            queue.put(("pdkv", job[1], tr.receive(rx, cache, job[1], job[2], pool_tokens)))
         else:
             queue.put(("ready", job[1], 0.0))
             queue.put(("raw", job[1], _await_notifs(rx, job[1])))
@@ -118,7 +118,7 @@ def run_variant(variant: str, sizes: list[int], repeats: int, pool_tokens: int,
     """Every figure of one NIXL variant; returns ``{tokens: {figure: value}}``. With a
     ``device`` both pools are VRAM, and raw NIXL writes VRAM to VRAM too."""
     with _ucx_tls(VARIANTS[variant]):
-        cache = tr._cache(pool_tokens, "prefill", device=device)
+        cache = tr.cache(pool_tokens, "prefill", device=device)
         cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
         tx = KvSender(cache, f"ipc://{tmpdir}/nixl.sock", TransportConfig(node="prefill",
                                                                            **CFG))
@@ -129,26 +129,26 @@ def run_variant(variant: str, sizes: list[int], repeats: int, pool_tokens: int,
         proc.start()
     rows: dict = {}
     while not tx.peers:  # handshake
-        tr._pump(tx, cache, tx.poll(0.02), rows)
+        tr.pump(tx, cache, tx.poll(0.02), rows)
     assert list(tx.data_paths().values()) == ["nixl"], tx.data_paths()
     page_bytes = tr.LAYOUT.page_bytes(tr.PAGE)
     src = tr.host_bytes(cache)
     results = {}
     for tokens in sizes:
         nbytes = tokens * page_bytes // tr.PAGE
-        per_tokens, _ = tr._rounds(tokens, pool_tokens)
+        per_tokens, _ = tr.pool_rounds(tokens, pool_tokens)
         per_bytes = per_tokens * page_bytes // tr.PAGE
         pdkv, raw = [], []
         for repeat in range(tr.repeats_for(tokens, repeats)):
             cmd.put(("pdkv", tokens, repeat))
-            pdkv.append(tr._await_pdkv(tx, cache, rows, queue))
+            pdkv.append(tr.await_pdkv(tx, cache, rows, queue))
             raw.append(_raw(tx, cache, nbytes, per_bytes, queue, cmd))
         part = src[:min(nbytes, per_bytes)]
-        mem = [tr._memcpy(np.ascontiguousarray(part), nbytes) for _ in range(repeats)]
+        mem = [tr.memcpy(np.ascontiguousarray(part), nbytes) for _ in range(repeats)]
         results[tokens] = _figures(nbytes, pdkv, raw, mem)
     cmd.put(None)
     while proc.is_alive() and tx.peers and not all(p.lost for p in tx.peers.values()):
-        tr._pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
+        tr.pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
     proc.join(30)
     tx.close()
     cache.close()

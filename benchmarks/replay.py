@@ -21,13 +21,14 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 
 import msgpack
 
-from benchmarks.goals import Goals
+from benchmarks.goals import EPILOG, Goals, add_bench_flags, run_as_script
 from common.freelog import FreeLogWriter, replay_file
 
 PAGE_SIZE = 16
@@ -214,9 +215,17 @@ def main(args: argparse.Namespace) -> int:
     return goals.exit_status(args)
 
 
+def add_command(bench) -> None:
+    """``pdkv bench replay``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser("replay", help="pdkv replay events/s vs a bare msgpack decode",
+                         description="Write a realistic decode-node free log, then time "
+                                     "pdkv replay against a bare msgpack decode of the "
+                                     "same file.", epilog=EPILOG)
+    add_bench_flags(p, quick="a 200,000-event log", repeats="3")
+    p.add_argument("--events", type=int, metavar="N",
+                   help="events in the generated log (default 2000000; 200000 with --quick)")
+    p.set_defaults(func=main)
+
+
 if __name__ == "__main__":
-    import sys
-
-    from deploy.cli import main as cli_main
-
-    sys.exit(cli_main(["bench", "replay", *sys.argv[1:]]))
+    sys.exit(run_as_script(add_command))

@@ -27,13 +27,14 @@ import statistics
 import sys
 from dataclasses import replace
 
-from benchmarks.goals import Goals
-from deploy.config_args import config_from_args
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.run import workload_from_args
-from deploy.summary import pct
-from deploy.workload import make_workload
+from benchmarks.goals import Goals, add_bench_flags, run_as_script
+from deploy.launch.config_args import config_from_args
+from deploy.launch.flags import add_config_flags, add_workload_flags
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import workload_from_args
+from deploy.loadgen.driver import drive
+from deploy.loadgen.summary import pct
+from deploy.loadgen.workload import make_workload
 
 MODES = ("none", "plain", "curve")
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "xfer_p50_ms")
@@ -121,3 +122,33 @@ def format_table(out: dict) -> str:
                      f"{d['xfer_p50_ms']:9.2f} {d['ttft_p50_ratio']:10.3f} "
                      f"{d['ttft_p99_ratio']:10.3f}")
     return "\n".join(lines)
+
+
+def add_command(bench) -> None:
+    """``pdkv bench security``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser(
+        "security", help="TTFT without authentication, with authenticated-only KV, and "
+                         "with encrypted KV",
+        description="Serve one seeded workload through 1P1D three times, KV in tcp frames: "
+                    "no keys (none), CURVE control plane with PLAIN KV (plain), CURVE "
+                    "everywhere (curve, the default with keys). Report TTFT p50/p99 and the "
+                    "exposed KV transfer, each against none. Defaults here: --model small "
+                    "--prompt-len 128 512 --output-len 2 4 --rate 0.5 --requests 12 (no "
+                    "queueing on 2 cores: TTFT is prefill plus transfer). See "
+                    "docs/security.md.",
+        epilog="exit status: 0; 1 when plain's TTFT p50 exceeds --goal times none's or a "
+               "request failed (unless --report-only).")
+
+    add_bench_flags(p, quick="one repeat of 6 requests", repeats="3, 1 with --quick")
+    p.add_argument("--goal", type=float, default=1.15, metavar="RATIO",
+                   help="most plain TTFT p50 / none TTFT p50 (default 1.15)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    add_workload_flags(p, 12)
+    add_config_flags(p)
+    # long prompts and few outputs, on a model with KV worth moving: TTFT is the point
+    p.set_defaults(func=main, model="small", prompt_len=[128, 512],
+                   output_len=[2, 4], rate=0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

@@ -25,12 +25,14 @@ import statistics
 import sys
 from dataclasses import replace
 
+from benchmarks.goals import run_as_script
 from benchmarks.http_client import Record, Target, run, summarize_records
-from deploy.config_args import config_from_args
-from deploy.driver import Result, drive
-from deploy.launcher import Cluster
-from deploy.run import devices_from, workload_from_args
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.config_args import config_from_args
+from deploy.launch.flags import add_config_flags, add_workload_flags
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import devices_from, workload_from_args
+from deploy.loadgen.driver import Result, drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "tokens_per_s", "goodput_rps", "slo_attainment")
@@ -196,7 +198,62 @@ def plot(out: dict, path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    from deploy.cli import main as cli_main
+def add_command(bench) -> None:
+    """``pdkv bench serve``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser(
+        "serve", help="disaggregated vs colocated on the same resources, rate sweeps, "
+                      "or any OpenAI-compatible server (--endpoint)",
+        description="Serve one seeded workload per rate point and report TTFT/TPOT p50 "
+                    "and p99, tokens/s, SLO attainment and goodput. Without --endpoint: "
+                    "1P1D against two colocated workers (data parallel), 2P2D against "
+                    "four, every worker process with the same torch threads. With "
+                    "--endpoint URL: drive that server over streaming HTTP.",
+        epilog="exit status: 0; 1 when a request failed (unless --report-only).")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000; "
+                        "prompts are token ids drawn from --model's vocabulary or "
+                        "--vocab-size")
+    p.add_argument("--rates", type=float, nargs="+", metavar="R",
+                   help="rate sweep: requests/s of each point (default: --rate alone)")
+    p.add_argument("--layouts", nargs="+", choices=["1p1d", "2p2d"], default=["1p1d"],
+                   help="pairs to compare: 1p1d (vs 2 colocated), 2p2d (vs 4 colocated)")
+    p.add_argument("--quick", action="store_true",
+                   help="1 repeat of 12 requests per point (unless given)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="runs per point; medians (default 3, 1 with --quick)")
+    p.add_argument("--ttft-target", type=float, default=1.0, metavar="S",
+                   help="SLO: TTFT target in seconds (default 1.0)")
+    p.add_argument("--tpot-target", type=float, default=0.1, metavar="S",
+                   help="SLO: TPOT target in seconds (default 0.1)")
+    p.add_argument("--slo-attainment", type=float, default=0.9, metavar="F",
+                   help="share of requests within the SLO for a rate to count as "
+                        "sustained (default 0.9)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw TTFT, TPOT, goodput and attainment against rate (needs "
+                        "matplotlib: pip install 'pdkv[plot]')")
+    p.add_argument("--json", action="store_true", help="print results as one JSON object")
+    p.add_argument("--report-only", action="store_true",
+                   help="exit 0 even when requests failed")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--devices", default="cpu", metavar="LIST",
+                   help="comma-separated devices given to each deployment's workers "
+                        "round-robin, as pdkv run's (default cpu); e.g. cuda:0 puts every "
+                        "worker of both sides on one GPU")
+    g = p.add_argument_group("with --endpoint")
+    g.add_argument("--served-model", metavar="NAME",
+                   help="model name to send (default: the server's first in /v1/models)")
+    g.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--vocab-size", type=int, metavar="N",
+                   help="draw prompt token ids from [0, N) (default: --model's vocabulary)")
+    g.add_argument("--no-token-ids", action="store_true",
+                   help="do not ask for return_token_ids (servers that refuse it); tokens "
+                        "are then counted from the final usage")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate past end-of-sequence (vLLM extension)")
+    add_workload_flags(p, None, "48, 12 with --quick")
+    add_config_flags(p)
+    p.set_defaults(func=main)
 
-    sys.exit(cli_main(["bench", "serve", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

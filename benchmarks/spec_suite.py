@@ -15,15 +15,16 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 
 from benchmarks import offload, speculative
-from benchmarks.goals import Goals
+from benchmarks.goals import Goals, add_bench_flags, run_as_script
 from common.config import ConfigError, ServeConfig
 from common.model import get_config
-from deploy.launcher import Cluster
-from deploy.run import check_devices, serve_workload
-from deploy.summary import pct
-from deploy.workload import WorkloadSpec
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import check_devices, serve_workload
+from deploy.loadgen.summary import pct
+from deploy.loadgen.workload import WorkloadSpec
 
 
 def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: int,
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     model, device = getattr(args, "model", "tiny"), getattr(args, "device", "cpu")
     try:
         get_config(model)
-    except ValueError as exc:  # one line before anything runs, as deploy.cli prints it
+    except ValueError as exc:  # one line before anything runs, as deploy.cli.main prints it
         raise ConfigError(f"--model: {exc}") from None
     check_devices([device])
     argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix),
@@ -77,3 +78,30 @@ def main(args: argparse.Namespace) -> int:
           f"{served[1]['prefix_hit_pages']} prefix-hit pages)")
     goals.print()
     return goals.exit_status(args)
+
+
+def add_command(bench) -> None:
+    """``pdkv bench spec``: its arguments (registered in pyproject.toml)."""
+    p = bench.add_parser("spec", help="speculation, prefix reuse and host offload vs baselines",
+                         description="Decode tokens/s with and without speculation; follow-up "
+                                     "TTFT with and without prefix reuse (in process and "
+                                     "through a real 1P1D deployment); host offload GB/s vs a "
+                                     "plain copy. Medians and per-repeat spreads.")
+
+    add_bench_flags(p, quick="small sizes", repeats="5")
+    p.add_argument("--repeat", dest="repeats", type=int, help=argparse.SUPPRESS)  # old name
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
+    p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per served worker")
+    p.add_argument("--model", default="tiny", metavar="NAME",
+                   help="built-in model config of the decode and TTFT figures and of the "
+                        "served deployment (tiny, small, llama-1b-shape, llama-8b-shape; "
+                        "default tiny)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="cpu (default) or cuda:N: the in-process model, the served "
+                        "workers and the offload bench's device pool")
+    p.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

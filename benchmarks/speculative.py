@@ -23,8 +23,9 @@ from dataclasses import replace
 import torch
 
 from common import KvCache
-from common.host import HostTier, Offloader, PrefixReuse
+from common.host import HostTier, Offloader
 from common.model import BatchItem, Model, ModelRunner, get_config
+from common.node import PrefixReuse
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, StepFn, greedy_step
 from decode_node.speculative import SpeculativeStep

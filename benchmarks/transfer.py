@@ -5,7 +5,8 @@ Layout: 32 layers, 8 KV heads, head dim 128, fp16, page 16 (2 MiB per page, 128 
 token). Requests larger than the pool (``--pool-tokens``) move as back-to-back requests of
 pool size whose bytes add up to the request's (a 32k-token request is 4 GiB). Each figure
 is the median of ``--repeats`` runs from 8k tokens up and of proportionally more below
-(``repeats_for``: 1k runs 8x as often), so that every size is measured for about as long;
+(``transfer_rig.repeats_for``: 1k runs 8x as often), so that every size is measured for
+about as long;
 pdkv and raw-pyzmq runs alternate so that the machine's drift hits both alike. The
 decode side runs in a spawned process; the prefill side, the memcpy and the senders of the
 baselines run here. Transports: ``tcp`` and ``ipc`` carry KV in ZMQ frames; ``shm`` puts
@@ -51,41 +52,14 @@ import numpy as np
 import torch
 import zmq
 
-from benchmarks.goals import Goals, paired_ratio
-from common import KvCache, KvLayout
+from benchmarks import transfer_rig as rig
+from benchmarks.goals import Goals, add_bench_flags, paired_ratio, run_as_script
+from common.auth import PlaneAuth, new_kv_plane
 from common.config import ConfigError
-from common.node import PlaneAuth, new_kv_plane
-from transport import EventKind, KvReceiver, KvSender, TransportConfig
+from transport import KvReceiver, KvSender, TransportConfig
 
-LAYOUT = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
-PAGE = 16
 RAW_MSG = 8 << 20
 GOALS = {"tcp": 0.85}  # transport -> least pdkv/raw ratio, judged at every size
-CFG = dict(heartbeat_s=1.0, lease_s=30.0, chunk_timeout_s=60.0, done_timeout_s=600.0)
-
-
-def repeats_for(tokens: int, repeats: int) -> int:
-    """Runs per figure at ``tokens``: ``repeats`` from 8k tokens up, proportionally more
-    below. A 1k request moves in 40-70 ms, a few scheduler slices, and the median of five
-    spread from run to run with the machine's noise (paired 0.82-0.96x at 1k in seven runs
-    of 2026-12-04) while 8k stayed within 0.89-0.98x."""
-    return repeats * max(1, 8192 // tokens)
-
-
-def _cache(tokens: int, node: str, shared: bool = False, device: str = "cpu") -> KvCache:
-    return KvCache(tokens // PAGE + 2, PAGE, layout=LAYOUT, node=node, max_rows=4,
-                   shared_memory=shared, device=device)
-
-
-def host_bytes(cache: KvCache) -> np.ndarray:
-    """The pool's bytes in host memory: a view of a CPU pool, a copy of a device one."""
-    data = cache.data() if cache.device.type == "cpu" else cache.data().cpu()
-    return data.view(torch.uint8).numpy().reshape(-1)
-
-
-def _rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
-    per = min(tokens, pool_tokens)
-    return per, max(1, tokens // per)
 
 
 # -- decode child --------------------------------------------------------------------------
@@ -93,17 +67,17 @@ def _child(address: str, pool_tokens: int, shared: bool, queue, cmd,
            auth: dict | None = None, device: str = "cpu") -> None:
     """Serve jobs from ``cmd``: ``("pdkv", tokens, repeat)`` or a baseline, until None.
     ``auth``: the KV plane's credentials (``PlaneAuth.to_dict``), None for none."""
-    cache = _cache(pool_tokens, "decode", shared, device)
+    cache = rig.cache(pool_tokens, "decode", shared, device)
     cache.data().fill_(0.5)  # a serving pool is warm: fault its pages in before timing
     plane = PlaneAuth.kv_from_dict(auth) if auth else new_kv_plane("null")
-    rx = KvReceiver(cache, TransportConfig(node="decode", **CFG), auth=plane)
+    rx = KvReceiver(cache, TransportConfig(node="decode", **rig.CFG), auth=plane)
     rx.connect(address)
     ctx = zmq.Context()
-    dest = host_bytes(cache)  # raw lands here too (a warm host buffer for a device pool)
+    dest = rig.host_bytes(cache)  # raw lands here too (a warm host buffer for a device pool)
     while (job := cmd.get()) is not None:
         if job[0] == "pdkv":
             f0 = _faults()
-            seconds = _receive(rx, cache, job[1], job[2], pool_tokens)
+            seconds = rig.receive(rx, cache, job[1], job[2], pool_tokens)
             queue.put(("pdkv", job[1], seconds, _faults() - f0))
         else:
             _child_baseline(ctx, queue, job, dest)
@@ -115,22 +89,6 @@ def _child(address: str, pool_tokens: int, shared: bool, queue, cmd,
 def _faults() -> int:
     """Minor page faults of this process so far (all threads: ZMQ's I/O thread too)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _receive(rx: KvReceiver, cache: KvCache, tokens: int, repeat: int,
-             pool_tokens: int) -> float:
-    per, rounds = _rounds(tokens, pool_tokens)
-    t0 = time.monotonic()
-    for i in range(rounds):
-        rid = f"{tokens}-{repeat}-{i}"
-        kv = cache.open_row(rid)
-        cache.extend(kv, per)
-        rx.announce(rid, kv, per)
-        while not any(e.kind.is_final for e in rx.poll(0.01) if e.rid == rid):
-            pass
-        cache.free_kv_row(kv, [(0, per)], reason="finished")
-        cache.close_row(kv)
-    return time.monotonic() - t0
 
 
 def _child_baseline(ctx: zmq.Context, queue, job, dest: np.ndarray) -> None:
@@ -172,7 +130,7 @@ def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd,
     if kind in ("raw", "discard"):
         msgs = [src[i:i + RAW_MSG] for i in range(0, len(src), RAW_MSG)]
     else:  # the naive way: pickle each page's tensor
-        pages = torch.from_numpy(src).view(torch.float16).view(-1, *LAYOUT.page_shape(PAGE))
+        pages = torch.from_numpy(src).view(torch.float16).view(-1, *rig.LAYOUT.page_shape(rig.PAGE))
         # one tensor per page with its own storage (a view would pickle the whole pool)
         msgs = [[p.clone() for p in pages[i:i + 4]] for i in range(0, len(pages), 4)]
     reps = max(1, total // len(src))
@@ -190,23 +148,14 @@ def _baseline(kind: str, address: str, src: np.ndarray, total: int, queue, cmd,
     return t_end - t0
 
 
-def _memcpy(src: np.ndarray, total: int) -> float:
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    t0 = time.perf_counter()
-    for _ in range(max(1, total // len(src))):
-        np.copyto(dst, src)
-    return time.perf_counter() - t0
-
-
 def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: int,
                   tmpdir: str, security: str = "none", device: str = "cpu") -> dict:
     """Every measurement for one transport; returns ``{tokens: {figure: value}}``."""
-    cache = _cache(pool_tokens, "prefill", device=device)
+    cache = rig.cache(pool_tokens, "prefill", device=device)
     cache.data().copy_(torch.randn(cache.data().shape, dtype=torch.float16))
     address = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmpdir}/pdkv.sock"
     plane = new_kv_plane("null" if security == "none" else security)
-    tx = KvSender(cache, address, TransportConfig(node="prefill", **CFG), auth=plane)
+    tx = KvSender(cache, address, TransportConfig(node="prefill", **rig.CFG), auth=plane)
     spawn = mp.get_context("spawn")
     queue, cmd = spawn.Queue(), spawn.Queue()
     proc = spawn.Process(target=_child, args=(tx.address, pool_tokens, transport == "shm",
@@ -215,65 +164,33 @@ def run_transport(transport: str, sizes: list[int], repeats: int, pool_tokens: i
     proc.start()
     rows: dict = {}
     while not tx.peers:  # handshake
-        _pump(tx, cache, tx.poll(0.02), rows)
-    pool_bytes = pool_tokens * LAYOUT.page_bytes(PAGE) // PAGE
-    src = host_bytes(cache)[:pool_bytes]
+        rig.pump(tx, cache, tx.poll(0.02), rows)
+    pool_bytes = pool_tokens * rig.LAYOUT.page_bytes(rig.PAGE) // rig.PAGE
+    src = rig.host_bytes(cache)[:pool_bytes]
     base = "tcp" if transport == "tcp" else f"ipc://{tmpdir}/raw.sock"
     results = {}
     for tokens in sizes:
-        nbytes = tokens * LAYOUT.page_bytes(PAGE) // PAGE
+        nbytes = tokens * rig.LAYOUT.page_bytes(rig.PAGE) // rig.PAGE
         part = src[:min(nbytes, src.nbytes)]  # the same bytes; repeated when pool < request
         pdkv, raw, discard, faults = [], [], [], {"pdkv": [], "raw": []}
-        for repeat in range(repeats_for(tokens, repeats)):  # alternate: drift hits both
+        for repeat in range(rig.repeats_for(tokens, repeats)):  # alternate: drift hits both
             cmd.put(("pdkv", tokens, repeat))
-            pdkv.append(_await_pdkv(tx, cache, rows, queue, faults["pdkv"]))
+            pdkv.append(rig.await_pdkv(tx, cache, rows, queue, faults["pdkv"]))
             raw.append(_baseline("raw", base, part, nbytes, queue, cmd, faults["raw"]))
             discard.append(_baseline("discard", base, part, nbytes, queue, cmd))
         pick = [_baseline("pickle", base, part, part.nbytes, queue, cmd)
                 for _ in range(max(1, repeats // 2))]
-        mem = [_memcpy(part, nbytes) for _ in range(repeats)]
+        mem = [rig.memcpy(part, nbytes) for _ in range(repeats)]
         results[tokens] = _figures(nbytes, pdkv, raw, discard, mem, pick, part.nbytes)
         for kind, counts in faults.items():   # where a slow run's time went (see docs)
             results[tokens][f"decode_faults_{kind}"] = counts
     cmd.put(None)
     while proc.is_alive() and tx.peers and not all(p.lost for p in tx.peers.values()):
-        _pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
+        rig.pump(tx, cache, tx.poll(0.01), rows)  # until the child's Bye
     proc.join(30)
     tx.close()
     cache.close()
     return results
-
-
-def _await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue,
-                faults: list | None = None) -> float:
-    """Serve the child's announces until it reports the seconds the request took (and
-    the page faults the decode took meanwhile, appended to ``faults``).
-
-    ``poll`` wakes as soon as a message arrives; its timeout only paces the check for the
-    child's report (outside the child's timing), so a long one keeps this loop from
-    waking 500 times a second and stealing the 2-core machine's copy threads' time.
-    """
-    while True:
-        _pump(tx, cache, tx.poll(0.02), rows)
-        if not queue.empty():
-            kind, _, seconds, *flt = queue.get()
-            assert kind == "pdkv", kind
-            if faults is not None:
-                faults.extend(flt)
-            return seconds
-
-
-def _pump(tx: KvSender, cache: KvCache, events: list, rows: dict) -> None:
-    """The prefill worker's part: on READY send the whole (already computed) prompt."""
-    for ev in events:
-        if ev.kind == EventKind.READY:
-            kv = rows[ev.rid] = cache.open_row(ev.rid)
-            cache.extend(kv, ev.prompt_len)
-            tx.finish(ev.rid, kv, first_token=1)
-        elif ev.kind.is_final:
-            kv = rows.pop(ev.rid)
-            cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=ev.reason or "sent")
-            cache.close_row(kv)
 
 
 def _figures(nbytes: int, pdkv: list, raw: list, discard: list, mem: list, pick: list,
@@ -298,7 +215,7 @@ def _figures(nbytes: int, pdkv: list, raw: list, discard: list, mem: list, pick:
 
 
 def main(args) -> int:
-    """Entry from ``deploy.cli`` (``pdkv bench transfer``)."""
+    """Entry from ``deploy.cli.main`` (``pdkv bench transfer``)."""
     import tempfile
     sizes = args.sizes or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     repeats = args.repeats or (2 if args.quick else 5)
@@ -308,7 +225,7 @@ def main(args) -> int:
         raise ConfigError("--transports shm needs CPU pools (the decode pool in shared "
                           f"memory); with --device {device} measure tcp, ipc, nixl or "
                           "nixl-tcp")
-    from deploy.run import check_devices
+    from deploy.launch.run import check_devices
     check_devices([device])   # a GPU this machine lacks: one clear line, no child started
     from benchmarks import nixl_transfer  # NIXL rows (--transports nixl nixl-tcp)
     report = {}
@@ -371,7 +288,38 @@ def _print_table(report: dict) -> None:
                   f"{r['ratio_vs_pickle']:7.1f} {vs_none}")
 
 
-if __name__ == "__main__":
-    from deploy.cli import main as cli_main
+def add_command(bench) -> None:
+    """``pdkv bench transfer``: its arguments (registered in pyproject.toml)."""
+    t = bench.add_parser("transfer", help="KV transfer throughput between two processes",
+                         description="Move the KV of 1k/8k/32k-token requests (32 layers, 8 "
+                                     "KV heads, dim 128, fp16, page 16) prefill -> decode; "
+                                     "report GB/s next to raw pyzmq, memcpy and pickle.")
 
-    sys.exit(cli_main(["bench", "transfer", *sys.argv[1:]]))
+    add_bench_flags(t, quick="small sizes, under 30 s",
+                    repeats="5, 2 with --quick; below 8k tokens proportionally more: 8x at 1k")
+    t.add_argument("--sizes", type=int, nargs="+", metavar="TOKENS",
+                   help="request sizes in tokens (default 1024 8192 32768)")
+    t.add_argument("--transports", nargs="+",
+                   choices=["tcp", "ipc", "shm", "nixl", "nixl-tcp"],
+                   default=["tcp", "ipc", "shm"],
+                   help="transports to measure (default: tcp ipc shm; shm = shared-memory "
+                        "pool; nixl = NIXL WRITEs vs raw NIXL, UCX's choice; nixl-tcp = "
+                        "UCX_TLS=tcp; both need pdkv[nixl])")
+    t.add_argument("--kv-security", nargs="+", choices=["none", "plain", "curve"],
+                   default=["none"], metavar="MODE",
+                   help="KV-plane authentication to measure for each transport: none, "
+                        "plain (authenticated, frames in the clear), curve (encrypted); "
+                        "rows other than none report ratio_vs_none (default none)")
+    t.add_argument("--pool-tokens", type=int,
+                   help="pool size in tokens; larger requests move as several pool-sized "
+                        "requests (default 8192, 2048 with --quick)")
+    t.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where both pools live: cpu (default) or cuda:N; on a GPU frames "
+                        "are staged through host memory and NIXL registers VRAM; the "
+                        "baselines move host bytes, so the goals (set for CPU pools) are "
+                        "reported, not judged; shm needs cpu")
+    t.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(add_command))

@@ -25,11 +25,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from common.config import ServeConfig
-from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
+from common.control import Done, Load, Message, Tokens
 from common.kv import FreeReason, KvCache
 from common.metrics import abort_readings, host_readings, spec_readings
 from common.model import ModelRunner
-from common.node import Done, Load, Message, Tokens
+from common.node import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.request import ReqState, Request, check_transition
 from decode_node.admission import Admission
 from decode_node.batch import DecodeBatch, finish_ranges

@@ -4,7 +4,8 @@ announces what rank 0 announces to the prefill ranks holding its heads
 
 from __future__ import annotations
 
-from common.node import INSECURE, PlaneAuth, RankSetup
+from common.auth import INSECURE, PlaneAuth
+from common.node.tp import RankSetup
 from decode_node.worker import kv_config
 from transport import KvReceiver, RankReceiver
 

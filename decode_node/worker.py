@@ -33,9 +33,9 @@ import logging
 import time
 
 from common import trace
-from common.codec import unpack_ids
+from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
-from common.node import Done, Load, Req, WorkerBase
+from common.node import WorkerBase
 from common.request import BadRequest, Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
 from transport import EventKind, GroupReceiver, KvReceiver, TransportConfig, transport_readings

@@ -3,7 +3,8 @@ repeats what rank 0's sender does (``transport.group``)."""
 
 from __future__ import annotations
 
-from common.node import INSECURE, PlaneAuth, RankSetup, check_bind
+from common.auth import INSECURE, PlaneAuth, check_bind
+from common.node.tp import RankSetup
 from prefill_node.worker import kv_config
 from transport import KvSender, RankSender
 

@@ -33,11 +33,12 @@ import time
 from collections import Counter, OrderedDict, deque
 
 from common import trace
-from common.codec import unpack_ids
-from common.host import PrefixReuse, close_offloader, host_salt, make_offloader
+from common.auth import Keys
+from common.control import ControlLink, Load, Prefilled, Req, Tokens, unpack_ids
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
-from common.node import ControlLink, Keys, Load, Prefilled, Req, Tokens, TpSpec, WorkerBase
+from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
+from common.node.tp import TpSpec
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine

@@ -12,8 +12,8 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from common.auth import CONTROL_DOMAIN, PlaneAuth
 from common.config import ServeConfig
-from common.node import CONTROL_DOMAIN, PlaneAuth
 from transport import TransportConfig
 from transport.handshake import make_hello
 from transport.messages import Announce, ProtocolError, decode, encode, pages_to_bytes

@@ -82,7 +82,7 @@ def hf_model(kind: str, dtype: str = "float64"):
 @cache
 def hf_checkpoint(kind: str, dtype: str = "float64") -> Path:
     """A checkpoint directory of ``kind`` written by ``save_pretrained``."""
-    from common.model.builtin_text import write_builtin_tokenizer
+    from common.model import write_builtin_tokenizer
 
     path = _ROOT / f"{kind}-{dtype}"
     shard = "20KB" if kind == "sharded" else "1GB"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from common.node import CODEC, ControlHub, ControlLink, Malformed, Message
+from common.control import CODEC, ControlHub, ControlLink, Malformed, Message
 
 
 def _wire(msg: Message) -> Message:

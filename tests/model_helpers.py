@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from common.control import ControlLink, Tokens
 from common.model import ModelRunner, get_config
-from common.node import ControlLink, Tokens
 
 F64 = get_config("tiny", dtype="float64")
 

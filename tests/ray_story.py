@@ -24,11 +24,11 @@ from pathlib import Path
 from common.config import ServeConfig
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from deploy.cluster.ray_launch import RayCluster
-from deploy.cluster.ray_plan import PlacementError
-from deploy.driver import drive
-from deploy.launcher import WorkerDied
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.cluster.ray_launch import RayCluster
+from deploy.launch.cluster.ray_plan import PlacementError
+from deploy.launch.launcher import WorkerDied
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,

@@ -30,14 +30,14 @@ import msgpack
 import pytest
 import zmq
 
+from common.auth import Keys, PlaneAuth, add_key, create_keys
 from common.config import ServeConfig
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from common.node import Keys, PlaneAuth, add_key, create_keys
-from deploy.client import Client
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
+from deploy.router.client import Client
 from tests.attack_helpers import (
     SENTINEL,
     Sock,

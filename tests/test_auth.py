@@ -1,4 +1,4 @@
-"""Key directories and socket authentication (common/node/keys.py, auth.py) on real sockets."""
+"""Key directories and socket authentication (common/auth/keys.py, auth.py) on real sockets."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.node import auth, keys
-from common.node.auth import InsecureBind, PlaneAuth, check_bind
+from common.auth import InsecureBind, PlaneAuth, check_bind, keys
+from common.auth import planes as auth
 
 
 def _mode(path: Path) -> int:

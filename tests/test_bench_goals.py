@@ -15,8 +15,8 @@ from benchmarks.allocator import TorchPagedAllocator
 from benchmarks.goals import EXIT_MISSED, Goals, add_bench_flags, paired_ratio
 from benchmarks.http_client import summarize_records
 from benchmarks.serve import records_of
-from deploy.cli import build_parser
-from deploy.driver import Result
+from deploy.cli.main import build_parser
+from deploy.loadgen.driver import Result
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, finish_ranges
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import make_step
-from deploy.launcher import Cluster
-from deploy.run import serve_workload
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import serve_workload
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 from tests.checkpoint_helpers import hf_checkpoint, hf_generate
 
 pytest.importorskip("transformers")
@@ -182,8 +182,8 @@ def test_text_requests_through_a_deployment(tmp_path) -> None:
     import transformers
 
     from common.model import Tokenizer
-    from deploy.driver import drive
-    from deploy.workload import WorkRequest
+    from deploy.loadgen.driver import drive
+    from deploy.loadgen.workload import WorkRequest
 
     path = hf_checkpoint("llama")
     tok, hf_tok = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
@@ -249,7 +249,7 @@ def test_hosts_with_their_own_copies_and_different_weights(tmp_path) -> None:
 
     import torch
 
-    from deploy.client import Client
+    from deploy.router.client import Client
     from tests.checkpoint_helpers import hf_model
 
     src = hf_checkpoint("llama")

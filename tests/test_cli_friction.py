@@ -21,7 +21,7 @@ import torch
 from common.config import ServeConfig
 from common.freelog import FreeLogReader
 from deploy.cli import main
-from deploy.launcher import Cluster
+from deploy.launch.launcher import Cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_cuda_devices_are_checked_before_anything_starts(capsys, argv):
     (["cuda:0", "cuda:0"], True), (["cuda", "cuda:0"], True), (["cuda:0", "cuda:1"], False),
     (["cpu", "cpu"], False)])
 def test_ranks_of_a_tensor_parallel_group_never_share_a_gpu(devices, shared):
-    from deploy.launcher import check_group_devices
+    from deploy.launch.launcher import check_group_devices
     if not shared:
         check_group_devices("decode0", devices)
         return
@@ -133,7 +133,7 @@ def test_router_takes_config_and_config_json_like_run(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--bind",
                                  addr, flag, value], cwd=REPO, stderr=subprocess.PIPE)
         try:
-            from deploy.client import Client
+            from deploy.router.client import Client
 
             client = Client(addr, "test")
             try:
@@ -216,7 +216,7 @@ def test_an_attached_run_reports_itself_only(tmp_path):
 
 
 def test_attached_summary_text_says_n_a():
-    from deploy.summary import format_summary, summarize
+    from deploy.loadgen.summary import format_summary, summarize
 
     s = summarize({}, {"w": {"spec_proposed": 10, "spec_accepted": 9, "bytes_sent": 99}},
                   1.0, this_run_only=True)

@@ -4,12 +4,11 @@ reference's tokens; the free log replays clean."""
 
 from __future__ import annotations
 
-from common.codec import pack_ids
 from common.config import ServeConfig
+from common.control import Done, Req, Tokens, pack_ids
 from common.freelog import FreeLogReader, replay_file
 from common.model import generate_greedy
-from common.node import Done, Req, Tokens
-from deploy.colocated import ColocatedWorker
+from deploy.launch.colocated import ColocatedWorker
 from tests.fakes import FakeLink
 from tests.model_helpers import DraftWatchingRunner, prompt
 

@@ -12,10 +12,10 @@ import msgpack
 import pytest
 import zmq
 
-from common.codec import pack_ids
 from common.config import ServeConfig
-from common.node import (
+from common.control import (
     CODEC,
+    MAX_CONTROL_BYTES,
     Done,
     Error,
     Link,
@@ -30,11 +30,11 @@ from common.node import (
     StatusReport,
     Submit,
     Tokens,
+    pack_ids,
     poll_for,
 )
-from common.node.control import MAX_CONTROL_BYTES
-from deploy.client import Client
-from deploy.router import Router
+from deploy.router.client import Client
+from deploy.router.router import Router
 
 SAMPLES: list[Message] = [
     Register("decode", "d0", 123),
@@ -51,7 +51,7 @@ SAMPLES: list[Message] = [
 
 
 def test_every_message_type_is_documented_and_round_trips():
-    from common.node import control
+    from common.control import messages as control
     types = typing.get_args(control.Message)
     table = control.__doc__
     for cls in types:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServeConfig
+from common.control import Done, Message, Tokens
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import BatchItem, ModelRunner, generate_greedy
-from common.node import Done, Message, Tokens
 from common.request import ReqState, Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
 from tests.model_helpers import prompt

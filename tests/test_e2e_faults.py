@@ -19,13 +19,14 @@ import time
 
 import pytest
 
+from common.auth import Keys, control_client
 from common.config import ServeConfig
+from common.control import Error, Link, StatusReport
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from common.node import Error, Keys, Link, StatusReport, control_client
-from deploy.driver import drive, router_lost
-from deploy.launcher import Cluster
-from deploy.workload import WorkloadSpec, WorkRequest, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive, router_lost
+from deploy.loadgen.workload import WorkloadSpec, WorkRequest, make_workload
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,7 +16,7 @@ import pytest
 
 from common.config import DEFAULT
 from common.model import Model, generate_greedy
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 from transport import nixl
 
 pytestmark = [pytest.mark.timeout(240),

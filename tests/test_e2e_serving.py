@@ -17,13 +17,13 @@ import time
 import pytest
 
 from common.config import ServeConfig
+from common.control import Error
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from common.node import Error
-from deploy.driver import drive
-from deploy.launcher import Cluster, WorkerDied
-from deploy.run import serve_workload
-from deploy.workload import WorkloadSpec, WorkRequest, make_workload
+from deploy.launch.launcher import Cluster, WorkerDied
+from deploy.launch.run import serve_workload
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, WorkRequest, make_workload
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -189,9 +189,9 @@ def test_standalone_router_and_workers_over_tcp(tmp_path, reference):
     import json
     import socket
 
-    from common.node import Keys
+    from common.auth import Keys
     from deploy.cli import main as cli_main
-    from deploy.client import Client
+    from deploy.router.client import Client
 
     def port():
         with socket.socket() as s:

@@ -15,11 +15,11 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
 from common.model import Model, generate_greedy
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.routes import label_of
-from deploy.run import serve_workload
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import serve_workload
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
+from deploy.router.routes import label_of
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,11 +15,10 @@ import json
 import pytest
 
 from common.config import ServeConfig
+from common.control import Done, Error, Tokens
 from common.freelog import replay_file
-from common.model import Model, Tokenizer, generate_greedy
-from common.model.export import export_builtin
-from common.node import Done, Error, Tokens
-from deploy.launcher import Cluster
+from common.model import Model, Tokenizer, export_builtin, generate_greedy
+from deploy.launch.launcher import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,10 +20,10 @@ import pytest
 
 from common.config import ServeConfig
 from common.freelog import replay_file
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.routes import label_of
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
+from deploy.router.routes import label_of
 
 REPO = Path(__file__).resolve().parents[1]
 ROOM = 1024  # bytes the largest of a worker's files may still grow by (a few requests)

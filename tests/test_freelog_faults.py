@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from common.config import ServeConfig
+from common.control import Load
 from common.freelog import FreeLogReader, FreeLogWriter, health, log_problems, replay_file
 from common.freelog.sink import LogFile, WriteError
-from common.node import FreeLogFailed, Load, WorkerBase
+from common.node import FreeLogFailed, WorkerBase
 from tests.fakes import FakeLink
 
 REPO = Path(__file__).resolve().parents[1]
@@ -401,7 +402,7 @@ def test_free_log_config_fields_are_validated(field, value, words):
 
 def test_the_router_routes_around_a_paused_worker_and_names_it():
     from common.request import BadRequest
-    from deploy.placement import WorkerInfo, max_tokens, pick
+    from deploy.router.placement import WorkerInfo, max_tokens, pick
 
     why = "free log /logs/decode0.freelog: failing for 2.0s: ENOSPC (No space left on device)"
     d0 = WorkerInfo("decode0", "decode", b"a", ready=True, pool_tokens=4096, paused=why)

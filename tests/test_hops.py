@@ -16,10 +16,10 @@ from benchmarks.hops import judge, segments, timeline
 from common import trace
 from common.config import ServeConfig
 from common.model import Model, generate_greedy
-from deploy.driver import Result, drive
-from deploy.launcher import Cluster
-from deploy.routes import label_of
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import Result, drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
+from deploy.router.routes import label_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,9 @@ import torch
 
 from common import KvCache
 from common.freelog import FreeLogReader, replay_file
-from common.host import HostTier, Offloader, PrefixReuse
+from common.host import HostTier, Offloader
 from common.model import BatchItem, ModelRunner, generate_greedy
+from common.node import PrefixReuse
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector

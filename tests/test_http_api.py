@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 
+from common.auth import create_keys
 from common.model import generate_greedy
-from common.node import create_keys
 from deploy.http.text import load_text_model
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 from tests.http_helpers import (
     CFG,
     GREEDY,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServeConfig
-from common.node import CODEC, StatusReport
+from common.control import CODEC, StatusReport
 from deploy.http import app as app_module
 from deploy.http.app import FrontDoor
 from deploy.http.bridge import RouterBridge

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from common.config import ServeConfig
-from common.node import CODEC, StatusReport
+from common.control import CODEC, StatusReport
 from deploy.http.app import LOOP_TEXT_CHARS, FrontDoor
 from deploy.http.bridge import RouterBridge
 from deploy.http.errors import ApiError

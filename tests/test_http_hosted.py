@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
+from common.auth import Keys, create_keys
 from common.config import ServeConfig
-from common.node import Bye, Keys, Shutdown, create_keys
-from deploy.client import Client
+from common.control import Bye, Shutdown
 from deploy.http.bridge import RouterBridge
 from deploy.http.hosted import HostedRouter
+from deploy.router.client import Client
 
 CFG = ServeConfig(heartbeat_s=0.2, lease_s=3.0)
 

@@ -10,9 +10,8 @@ import json
 
 import pytest
 
-from common.codec import unpack_ids
 from common.config import ServeConfig
-from common.node import CODEC, Done, Message, StatusReport, Submit, Tokens
+from common.control import CODEC, Done, Message, StatusReport, Submit, Tokens, unpack_ids
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
 from deploy.http.lane import NOT_JSON, FastLane

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.node import Keys
-from deploy.client import Client
-from deploy.launcher import Cluster
+from common.auth import Keys
+from deploy.launch.launcher import Cluster
+from deploy.router.client import Client
 from tests.http_helpers import (
     CFG,
     GREEDY,

@@ -20,7 +20,7 @@ yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from common.config import ServeConfig  # noqa: E402
-from deploy.cli import build_parser  # noqa: E402
+from deploy.cli.main import build_parser  # noqa: E402
 from tests.tp_helpers import free_port  # noqa: E402
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"

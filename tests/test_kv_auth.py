@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from common.node import InsecureBind, new_kv_plane
+from common.auth import InsecureBind, new_kv_plane
 from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
 from transport import EventKind, KvReceiver, KvSender
 

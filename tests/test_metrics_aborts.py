@@ -15,9 +15,9 @@ import pytest
 
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.workload import WorkRequest
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkRequest
 from tests.metrics_helpers import by, parse
 
 pytestmark = pytest.mark.timeout(180)

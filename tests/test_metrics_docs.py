@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import METRICS
-from deploy.cli import build_parser
+from deploy.cli.main import build_parser
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 _ROW = re.compile(r"^\| `(pdkv_[a-z0-9_]+)` \| ([^|]+) \| ([^|]+) \|", re.M)

@@ -23,10 +23,10 @@ import pytest
 
 from common.config import ServeConfig
 from common.metrics import METRICS, from_wire, loads, render
-from deploy.client import Client
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
+from deploy.router.client import Client
 from tests.metrics_helpers import assert_counters_match_log, by, freelog_counts, parse, scrape
 
 pytestmark = pytest.mark.timeout(240)
@@ -234,7 +234,7 @@ def _wait_ready(client: Client, names: set[str], procs: dict):
 
 
 def _serve_at_once(client: Client, n: int) -> None:
-    from common.node import Done
+    from common.control import Done
 
     for i in range(n):
         client.submit(f"r{i}", list(range(1, 30 + i)), {"max_new_tokens": 4})

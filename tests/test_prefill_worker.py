@@ -10,13 +10,8 @@ import time
 
 import pytest
 
-from common.codec import pack_ids
 from common.config import ServeConfig
-from common.freelog import FreeLogReader, replay_file
-from common.host import PrefixReuse
-from common.kv import KvCache
-from common.model import ModelRunner, generate_greedy
-from common.node import (
+from common.control import (
     Abort,
     Error,
     Load,
@@ -26,11 +21,15 @@ from common.node import (
     Ready,
     Registered,
     Req,
-    RouterLost,
     Shutdown,
     Stats,
     Tokens,
+    pack_ids,
 )
+from common.freelog import FreeLogReader, replay_file
+from common.kv import KvCache
+from common.model import ModelRunner, generate_greedy
+from common.node import PrefixReuse, RouterLost
 from common.request import ReqState
 from prefill_node.busy import BusyTime
 from prefill_node.worker import PrefillWorker

@@ -12,8 +12,9 @@ import torch
 
 from common import KvCache
 from common.freelog import replay_file
-from common.host import HostTier, Offloader, PrefixReuse
+from common.host import HostTier, Offloader
 from common.model import BatchItem, ModelRunner
+from common.node import PrefixReuse
 from common.request import Request, SamplingParams
 from prefill_node.engine import PrefillEngine
 from tests.model_helpers import F64, prompt

@@ -29,10 +29,10 @@ import time
 import pytest
 
 from common.config import ServeConfig
-from deploy.cluster.ray_groups import GroupSupervisor
-from deploy.cluster.ray_launch import RayCluster
-from deploy.cluster.ray_plan import NodeInfo, PlacementError, WorkerSpec, bundles, plan
-from deploy.launcher import WorkerDied
+from deploy.launch.cluster.ray_groups import GroupSupervisor
+from deploy.launch.cluster.ray_launch import RayCluster
+from deploy.launch.cluster.ray_plan import NodeInfo, PlacementError, WorkerSpec, bundles, plan
+from deploy.launch.launcher import WorkerDied
 
 pytestmark = pytest.mark.timeout(960)
 

@@ -1,4 +1,4 @@
-"""Roles on the control plane (deploy/roles.py, the router's checks): a router with a key
+"""Roles on the control plane (deploy/router/roles.py, the router's checks): a router with a key
 directory in this process, peers on real CURVE sockets, each authenticated as an identity
 of the deployment (or of another one). Process-level attack stories: tests/test_attacks.py.
 """
@@ -8,16 +8,14 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from common.codec import pack_ids, unpack_ids
+from common.auth import Keys, PlaneAuth, control_client, create_keys
 from common.config import ServeConfig
-from common.node import (
+from common.control import (
     CODEC,
     Abort,
     Done,
     Error,
-    Keys,
     Link,
-    PlaneAuth,
     Ready,
     Register,
     Registered,
@@ -27,10 +25,10 @@ from common.node import (
     StatusReport,
     Submit,
     Tokens,
-    control_client,
-    create_keys,
+    pack_ids,
+    unpack_ids,
 )
-from deploy.router import Router
+from deploy.router.router import Router
 
 
 @pytest.fixture

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.codec import pack_ids
 from common.config import ServeConfig
-from common.node import (
+from common.control import (
     Abort,
     Bye,
     Done,
@@ -22,10 +21,11 @@ from common.node import (
     Stats,
     Submit,
     Tokens,
+    pack_ids,
 )
 from common.request import BadRequest
-from deploy.placement import WorkerInfo, admits_at_once, pick
-from deploy.router import Router
+from deploy.router.placement import WorkerInfo, admits_at_once, pick
+from deploy.router.router import Router
 from tests.fakes import FakeHub, settle
 
 CFG = ServeConfig(page_size=4, decode_pages=101, prefill_pages=51, heartbeat_s=0.5,

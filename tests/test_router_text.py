@@ -11,12 +11,23 @@ import time
 
 import pytest
 
-from common.codec import pack_ids, unpack_ids
 from common.config import ServeConfig
+from common.control import (
+    Abort,
+    Done,
+    Error,
+    Ready,
+    Register,
+    Registered,
+    Req,
+    Shutdown,
+    Submit,
+    pack_ids,
+    unpack_ids,
+)
 from common.model import Tokenizer
-from common.node import Abort, Done, Error, Ready, Register, Registered, Req, Shutdown, Submit
-from deploy.door import Door
-from deploy.router import Router
+from deploy.router.door import Door
+from deploy.router.router import Router
 from tests.fakes import FakeHub, settle
 
 CFG = ServeConfig(page_size=4, decode_pages=101, prefill_pages=51, heartbeat_s=0.5,

@@ -7,7 +7,7 @@ import pytest
 from common.config import ServeConfig
 from common.model import sample
 from common.request import BadRequest, SamplingParams, validate
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 
 
 @pytest.mark.parametrize("prompt, params, words", [

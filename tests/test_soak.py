@@ -14,9 +14,9 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import replay_file
 from common.model import Model, generate_greedy
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -17,8 +17,9 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
-from common.model import LeaderKvCache, Lockstep, Mirror, ModelRunner, get_config
+from common.model import ModelRunner, get_config
 from common.node import WorkerBase, stop_signals
+from common.node.tp import LeaderKvCache, Lockstep, Mirror
 from common.parallel import TpGroup
 from tests.fakes import FakeLink
 

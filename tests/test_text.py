@@ -11,9 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HfTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from common.model.builtin_text import write_builtin_tokenizer
-from common.model.text import StopStrings
-from common.model.tokenizer import Tokenizer
+from common.model import StopStrings, Tokenizer, write_builtin_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,8 @@ from rich.console import Console  # noqa: E402
 from common.host import HostTier  # noqa: E402
 from common.kv import KvCache  # noqa: E402
 from common.metrics import Gatherer, NodeMetrics, to_wire  # noqa: E402
-from deploy.top import render  # noqa: E402
-from deploy.top_model import Scrape, quantile, view  # noqa: E402
+from deploy.cli.top_model import Scrape, quantile, view  # noqa: E402
+from deploy.cli.top_view import render  # noqa: E402
 
 
 class Deployment:
@@ -107,8 +107,8 @@ def test_a_lost_worker_is_marked_and_its_rows_are_empty():
 def test_a_tensor_parallel_worker_shows_its_pages_once_and_every_ranks_bytes():
     """Rank 0 reports its follower's families labelled by rank (WorkerMetrics.report):
     pages (the same ids on every rank) count once, bytes of every rank add up."""
+    from common.control import Load
     from common.metrics import loads, pack
-    from common.node.control import Load
     from common.node.worker_metrics import WorkerMetrics
 
     gatherer = Gatherer(NodeMetrics("router"))
@@ -155,7 +155,7 @@ def test_quantile_matches_prometheus_histogram_quantile():
 
 
 def test_once_draws_a_frame_with_rates_and_a_failed_read_is_an_answer_not_a_traceback():
-    from deploy.top import run
+    from deploy.cli.top_view import run
 
     d = Deployment()
     scrapes = iter([d.scrape(t=1.0), None])

@@ -21,9 +21,9 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
 from common.model import Model, generate_greedy
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 from tests.metrics_helpers import assert_counters_match_log, by, freelog_counts, parse, scrape
 
 pytestmark = pytest.mark.timeout(240)
@@ -235,7 +235,7 @@ def _check_decode_freed(path, failed: set[str]) -> None:
     first, ``aborted`` when the router's abort came first (it fails the requests the lost
     prefill still owed; one already decoding decodes on). The clean replay above proves
     every pin of those rows was released and nothing stayed held."""
-    from deploy.routes import label_of
+    from deploy.router.routes import label_of
 
     with FreeLogReader(path) as log:
         frees = [(label_of(e["owner"]), e["reason"]) for e in log.records

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from common.kv import KvCache, KvLayout
-from common.model import Lockstep
-from common.model.tp_lockstep import CODEC, OP_CODEC, TpKvOp
+from common.node.tp import Lockstep, TpKvOp
+from common.node.tp.lockstep import CODEC, OP_CODEC
 from common.parallel import TpGroup
 from transport import Event, EventKind, GroupSender, RankSender, TransportConfig
 from transport.group import DONE, PENDING, failed, reason_of

@@ -1,5 +1,5 @@
 """The host tier of a tensor-parallel worker, in one process: rank 0's offloader (its host
-tier and copies recorded, ``common.host.tp``) stores, loads and evicts; a follower's
+tier and copies recorded, ``common.node.tp.host``) stores, loads and evicts; a follower's
 ``Mirror`` with a ``HostMirror`` repeats every step on its own pools. The steps come off
 a real ``TpGroup`` subclass that keeps what rank 0 broadcast (tests/test_tp_lockstep.py).
 Both ranks hold every head here (one model), so the follower's host pages must hold
@@ -11,23 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.codec import pack_ids
 from common.config import ServeConfig
+from common.control import pack_ids
 from common.freelog import FreeLogReader, replay_file
-from common.host import HashChain, follower_host, make_offloader
+from common.host import HashChain
 from common.kv import KvCache
-from common.model import (
+from common.model import BatchItem, Model, ModelRunner, get_config
+from common.node import make_offloader
+from common.node.tp import (
     LeaderKvCache,
     LeaderRunner,
     Lockstep,
     Mirror,
-    Model,
-    ModelRunner,
+    RankMetrics,
     TpKvOp,
-    get_config,
+    follower_host,
 )
-from common.model.runner import BatchItem
-from common.node.tp_metrics import RankMetrics
 from common.parallel import GroupLost
 from tests.tp_helpers import Recording
 

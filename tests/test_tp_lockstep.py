@@ -14,16 +14,8 @@ import torch
 
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
-from common.model import (
-    LeaderKvCache,
-    LeaderRunner,
-    Lockstep,
-    Mirror,
-    Model,
-    ModelRunner,
-    get_config,
-)
-from common.model.runner import BatchItem
+from common.model import BatchItem, Model, ModelRunner, get_config
+from common.node.tp import LeaderKvCache, LeaderRunner, Lockstep, Mirror
 from common.parallel import GroupLost
 from tests.tp_helpers import Recording
 

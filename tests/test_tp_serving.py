@@ -21,10 +21,10 @@ import pytest
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, replay_file
 from common.model import Model, generate_greedy
-from deploy.driver import drive
-from deploy.launcher import Cluster
-from deploy.run import serve_workload
-from deploy.workload import WorkloadSpec, make_workload
+from deploy.launch.launcher import Cluster
+from deploy.launch.run import serve_workload
+from deploy.loadgen.driver import drive
+from deploy.loadgen.workload import WorkloadSpec, make_workload
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -173,7 +173,7 @@ def test_a_tp2_decode_under_pressure_retracts_to_every_ranks_host_tier_and_resum
 
 
 def test_a_narrow_draft_checkpoint_needs_equal_prefill_and_decode_groups():
-    from common.node.tp_worker import check_draft_split
+    from common.node.tp import check_draft_split
     from tests.checkpoint_helpers import hf_checkpoint
 
     pytest.importorskip("transformers")
@@ -283,7 +283,7 @@ def test_a_followers_free_log_problem_in_the_final_stats_marks_its_log_incomplet
     (a log that lost events may still replay clean: the file just ends); ``pdkv run``'s
     check counts that follower's log incomplete, not clean, and says why."""
     from common.kv import KvCache
-    from deploy.run import replay_all
+    from deploy.launch.run import replay_all
 
     path = tmp_path / "decode0.tp1.freelog"
     cache = KvCache(8, 4, log_path=path, node="decode0/tp1")

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from common.auth import new_kv_plane
 from common.metrics import MetricsServer, NodeMetrics
-from common.node import new_kv_plane
 from tests.metrics_helpers import by, scrape
 from tests.transport_helpers import config, layout, make_cache
 from transport import KvReceiver, KvSender

@@ -11,7 +11,7 @@ import signal
 import socket
 import traceback
 
-from common.model import TAG_STEP
+from common.node.tp import TAG_STEP
 from common.parallel import TpGroup
 
 

@@ -1,5 +1,5 @@
 """Control messages of the pdkv wire protocol, carried by the one msgpack codec
-(``common.codec``).
+(``common.control.codec``).
 
 Every message is a frozen dataclass with an explicit field list. On the wire it is one
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
@@ -21,7 +21,7 @@ from enum import Enum
 
 import numpy as np
 
-from common.codec import Codec, DecodeError, pack_ids, unpack_ids
+from common.control import Codec, DecodeError, pack_ids, unpack_ids
 
 from . import limits as L
 from .limits import INT32_MAX

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 
-from common.node import INSECURE, PlaneAuth
+from common.auth import INSECURE, PlaneAuth
 
 from . import handshake, tp
 from .config import TransportConfig

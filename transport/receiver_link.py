@@ -15,7 +15,8 @@ from collections import Counter, OrderedDict
 
 import zmq
 
-from common.node import INSECURE, PlaneAuth, poll_for
+from common.auth import INSECURE, PlaneAuth
+from common.control import poll_for
 
 from . import handshake, nixl, tp
 from .config import TransportConfig

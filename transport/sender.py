@@ -29,7 +29,7 @@ from collections import Counter
 
 import zmq
 
-from common.node import INSECURE, PlaneAuth
+from common.auth import INSECURE, PlaneAuth
 
 from . import handshake, tp
 from .capability import Capabilities

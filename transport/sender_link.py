@@ -16,8 +16,8 @@ from collections import Counter
 
 import zmq
 
+from common.auth import INSECURE, PlaneAuth
 from common.kv import SegmentError
-from common.node import INSECURE, PlaneAuth
 
 from . import handshake, nixl, shm, tp
 from .channel import DataChannel, ZmqChannel

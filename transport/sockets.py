@@ -4,7 +4,7 @@ The prefill side binds a ROUTER (many decode ranks connect); each decode rank co
 one DEALER per prefill rank. Control messages and KV data frames share the connection,
 so ZMQ's per-connection ordering guarantees that every chunk of a request arrives before
 its ``Done`` and before an ``AbortAck``. Both authenticate as their ``PlaneAuth`` says
-(``common.node.auth``, docs/security.md): CURVE or PLAIN with the deployment's KV
+(``common.auth.planes``, docs/security.md): CURVE or PLAIN with the deployment's KV
 credentials; without them the ROUTER binds only loopback or a private ipc path.
 """
 
@@ -15,7 +15,8 @@ import uuid
 
 import zmq
 
-from common.node import INSECURE, PlaneAuth, poll_for
+from common.auth import INSECURE, PlaneAuth
+from common.control import poll_for
 
 logger = logging.getLogger(__name__)
 

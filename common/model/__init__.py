@@ -17,15 +17,10 @@ __getattr__ = lazy_names(__name__, {
     "BatchItem": "common.model.runner", "ModelRunner": "common.model.runner",
     "sample": "common.model.sampling",
     "seeded_tensors": "common.model.seeded",
-    "TpModel": "common.model.tp", "shard_config": "common.model.tp",
-    **dict.fromkeys(["TAG_CONFIG", "TAG_STEP", "LeaderKvCache", "LeaderRunner", "Lockstep",
-                     "RankPins", "RankReport", "TpKvOp"], "common.model.tp_lockstep"),
-    **dict.fromkeys(["HostOps", "Mirror", "RankTransfer"], "common.model.tp_mirror")})
+    "TpModel": "common.model.tp", "shard_config": "common.model.tp"})
 
-__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "HostOps", "LeaderKvCache",
-           "LeaderRunner", "Lockstep", "Mirror", "RankPins", "RankReport", "RankTransfer",
-           "TAG_CONFIG", "TAG_STEP", "Model", "ModelConfig",
+__all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "ModelConfig",
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
-           "sample", "seeded_tensors", "shard_config", "TpKvOp", "TpModel",
+           "sample", "seeded_tensors", "shard_config", "TpModel",
            "write_builtin_tokenizer", "write_checkpoint"]

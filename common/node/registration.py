@@ -6,8 +6,7 @@ import logging
 import os
 import time
 
-from common.node.control import Error, Register, Registered
-from common.node.link import ControlLink
+from common.control import ControlLink, Error, Register, Registered
 
 logger = logging.getLogger(__name__)
 

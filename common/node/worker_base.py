@@ -30,16 +30,13 @@ import torch
 import zmq
 
 import common.trace as trace
+from common.auth import INSECURE, Keys, PlaneAuth, control_client
 from common.config import ServeConfig
-from common.freelog import configure as configure_freelog
-from common.freelog import freelog_file, log_problems
-from common.kv import KvCache
-from common.model import Model, ModelRunner, RankPins
-from common.node import stop_signals
-from common.node.auth import INSECURE, PlaneAuth, control_client
-from common.node.control import (
+from common.control import (
     Abort,
+    ControlLink,
     Error,
+    Link,
     Load,
     Malformed,
     Message,
@@ -50,12 +47,15 @@ from common.node.control import (
     Req,
     Shutdown,
     Stats,
+    wait_any,
 )
-from common.node.keys import Keys
-from common.node.link import ControlLink, Link, wait_any
+from common.freelog import configure as configure_freelog
+from common.freelog import freelog_file, log_problems
+from common.kv import KvCache
+from common.model import Model, ModelRunner
+from common.node import stop_signals
 from common.node.registration import RouterLost, check_deployment, register
-from common.node.tp_metrics import rank_stats
-from common.node.tp_worker import TpSpec, check_draft_split, leader_cache
+from common.node.tp import RankPins, TpSpec, check_draft_split, leader_cache, rank_stats
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
@@ -92,7 +92,7 @@ class WorkerBase(ABC):
                  keys: Keys | None = None, identity: str = "worker") -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
         self.tp = tp if tp is not None and tp.size > 1 else None
-        """Rank 0 of a tensor-parallel group (common/node/tp_worker.py); None: one rank."""
+        """Rank 0 of a tensor-parallel group (common/node/tp/worker.py); None: one rank."""
         self.lockstep = None
         self.rank_reports: list = []
         """The followers' last ``RankReport``s, in rank order (rank 0 of a group)."""

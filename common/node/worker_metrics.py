@@ -6,9 +6,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from common.config import ServeConfig
+from common.control import Load, Message, MetricsReport, Req, Tokens
 from common.kv import KvCache
 from common.metrics import NodeMetrics, WireError, from_wire, loads, merge, pack
-from common.node.control import Load, Message, MetricsReport, Req, Tokens
 
 logger = logging.getLogger(__name__)
 

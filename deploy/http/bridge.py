@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass, field
 
 from common import trace
-from common.codec import pack_ids
-from common.node import (
+from common.auth import Keys
+from common.control import (
     Abort,
     Done,
     Error,
-    Keys,
     Malformed,
     MetricsQuery,
     MetricsSnapshot,
@@ -33,6 +32,7 @@ from common.node import (
     StatusReport,
     Submit,
     Tokens,
+    pack_ids,
 )
 from deploy.http.ports import Port, RouterDown, ZmqPort
 

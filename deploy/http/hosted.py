@@ -31,10 +31,11 @@ from collections.abc import Callable
 
 import zmq
 
+from common.auth import Keys, control_server
 from common.config import ServeConfig
-from common.node import Bye, ControlHub, Hub, Keys, Malformed, Message, Shutdown, control_server
+from common.control import Bye, ControlHub, Hub, Malformed, Message, Shutdown
 from deploy.http.ports import Deliver, RouterDown
-from deploy.router import Router
+from deploy.router.router import Router
 
 logger = logging.getLogger(__name__)
 _LOCAL = b"\x00pdkv-local-"

@@ -21,8 +21,9 @@ from typing import Protocol
 
 import zmq
 
-from common.node import Keys, Malformed, Message
-from deploy.client import Client
+from common.auth import Keys
+from common.control import Malformed, Message
+from deploy.router.client import Client
 
 _SEND_TIMEOUT_MS = 200
 Deliver = Callable[[Message | Malformed], None]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from common.node import Keys
+from common.auth import Keys
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
 from deploy.http.hosted import HostedRouter

@@ -1,0 +1,27 @@
+"""How pdkv's sockets prove who is on the other end: a deployment's key directory (keys.py)
+and CURVE/PLAIN authentication of each plane, with the loopback rule for sockets that have
+none (planes.py)."""
+
+from common.auth.keys import Keys, KeysError, role_of
+from common.auth.keys import add as add_key
+from common.auth.keys import create as create_keys
+from common.auth.keys import export as export_keys
+from common.auth.planes import (
+    CONTROL_DOMAIN,
+    INSECURE,
+    KV_DOMAIN,
+    InsecureBind,
+    PlaneAuth,
+    ServerGuard,
+    check_bind,
+    control_client,
+    control_server,
+    kv_plane,
+    new_kv_plane,
+    principal,
+)
+
+__all__ = ["CONTROL_DOMAIN", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys", "KeysError",
+           "PlaneAuth", "ServerGuard", "add_key", "check_bind", "control_client",
+           "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
+           "principal", "role_of"]

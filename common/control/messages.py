@@ -1,0 +1,335 @@
+"""Control messages between clients, the router and workers (the KV plane is ``transport``).
+
+The router binds one ROUTER socket; every worker and client connects one DEALER
+(``common.control.link``). Each message is a frozen dataclass carried by the one msgpack
+codec (``common.control.codec``): on the wire one map ``{"t": <class name>, <field>: ...}``,
+nothing pickled. Prompts travel as little-endian int32 bytes (``pack_ids``); the few ids
+of a ``Tokens`` message as a list. Receivers dispatch on the message's type; a frame that
+does not decode becomes a local ``Malformed`` (never sent) that the receiver answers with
+``Error`` and counts, so no peer can crash it.
+
+| message | from -> to | when |
+| --- | --- | --- |
+| ``Register`` | worker -> router | first message; answer: ``Registered``/``Error`` |
+| ``Registered`` | router -> worker | the deployment's config; the worker builds from it |
+| ``Ready`` | worker -> router | built: the router may route to it now |
+| ``Load`` | worker -> router | every ``heartbeat_s``; doubles as the worker's heartbeat |
+| ``Stats`` | worker -> router | at shutdown: the worker's final counters |
+| ``MetricsReport`` | worker -> router | every ``heartbeat_s`` and as it closes: its metrics |
+| ``Submit`` | client -> router | a new request |
+| ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
+| ``Tokens`` | worker -> router -> client | tokens as they are generated |
+| ``Done`` | worker -> router -> client | a request ended (router adds prefill figures) |
+| ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
+| ``Abort`` | client -> router -> workers | stop a request; any stage |
+| ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
+| ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
+| ``MetricsQuery`` / ``MetricsSnapshot`` | client -> router -> client | the deployment's metrics |
+| ``Ping`` / ``Pong`` | router -> worker, client -> router -> client | liveness |
+| ``Shutdown`` | client -> router -> workers | stop everything cleanly |
+| ``Bye`` | router -> client | every worker's final ``Stats``, after a ``Shutdown`` |
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+
+from common.control.codec import Codec
+
+Scalar = int | float | str | bool
+"""A value of a free-form map (config, params, stats)."""
+Param = int | float | str | bool | list[int]
+"""A sampling parameter's value (``stop_token_ids`` is a list)."""
+MAX_CONTROL_BYTES = 16 << 20
+"""Largest control frame accepted (a prompt of four million tokens)."""
+
+
+# -- worker -> router ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register:
+    """A worker introduces itself; names are unique within a deployment."""
+
+    role: str
+    """prefill, decode or colocated."""
+    name: str
+    pid: int
+    deployment: str = ""
+    """The deployment id of the worker's key directory; the router refuses any other
+    ('' without keys)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker built its model and pool; it takes requests from now on."""
+
+    name: str
+    kv_addr: str
+    """Where decodes connect for KV (prefill; a tensor-parallel group's ranks,
+    comma-separated in rank order); empty otherwise."""
+    pool_tokens: int
+    """Tokens of its free pool at start (the router's capacity for it)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Periodic load report; any message renews the worker's lease, this one keeps it
+    renewed while the worker is idle."""
+
+    name: str
+    running: int
+    queued: int
+    free_tokens: int
+    queued_tokens: int = 0
+    """Prompt tokens waiting for a row (prefill)."""
+    paused: str = ""
+    """Why the worker admits no new requests (a free log cannot write); empty: it does."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The worker's final counters (sent as it closes)."""
+
+    name: str
+    stats: dict[str, Scalar]
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """The worker's metric families (``common.metrics.pack``), every ``heartbeat_s`` and
+    once more as it closes (``final``); the router exposes them labelled by worker."""
+
+    name: str
+    families: bytes
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prefill's part of ``rid`` ended: ``sent`` (the decode acknowledged every
+    page), ``aborted`` or a failure reason with ``error``."""
+
+    rid: str
+    reason: str
+    error: str = ""
+    xfer_s: float = 0.0
+    """Last chunk computed -> the decode's acknowledgement (seconds)."""
+    kv_bytes: int = 0
+    """Bytes of the pages the transfer carried."""
+    t_finish_wall: float = 0.0
+    """Wall clock when the last chunk was computed (0 unless sent)."""
+    cached_tokens: int = 0
+    """Prompt tokens the prefill loaded from its host tier instead of computing them."""
+
+
+# -- worker -> router -> client -----------------------------------------------------------
+@dataclass(frozen=True)
+class Tokens:
+    """New output tokens of ``rid``, in order."""
+
+    rid: str
+    ids: list[int]
+    first: bool = False
+    """The first token (computed by prefill). A prefill sends it to the router as soon as
+    it is computed and the decode again once it holds the KV; the router relays the one
+    that comes first and drops the other."""
+    text: str = ""
+    """Router -> client, text requests: the text these ids complete (may be empty while a
+    character or a possible stop string is incomplete)."""
+    t_kv_wall: float = 0.0
+    """Decode -> router only: wall clock when the decode held all KV and the first
+    token (the router measures the exposed transfer with it)."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """``rid`` ended: ``stop`` or ``length`` (finished), ``aborted``, or a failure
+    (``error``, ``timeout``, ``peer_lost``) with ``error`` saying why."""
+
+    rid: str
+    reason: str
+    n: int = 0
+    """Tokens generated."""
+    error: str = ""
+    xfer_s: float = 0.0
+    """Router -> client: last prefill chunk computed -> decode holds all KV."""
+    kv_bytes: int = 0
+    """Router -> client: bytes of KV the transfer carried."""
+    text: str = ""
+    """Router -> client, text requests: the whole output text (the streamed pieces
+    joined), cut before a stop string."""
+    prompt_tokens: int = 0
+    """Router -> client: tokens of the prompt (a text prompt as encoded)."""
+    cached_tokens: int = 0
+    """Prompt tokens loaded from a host tier instead of computed or received (router ->
+    client: the larger of the prefill's and the decode's count)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason in ("stop", "length")
+
+
+# -- router -> worker ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registered:
+    """Answer to ``Register``: the deployment's ``ServeConfig.to_dict()``, its id and
+    the KV plane's credentials (``PlaneAuth.to_dict``; the control plane is
+    encrypted whenever they are secret)."""
+
+    config: dict[str, Scalar]
+    deployment: str = ""
+    kv_auth: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Req:
+    """A request for this worker. The router sends the same ``Req`` to the decode and
+    the prefill it chose (``prefill`` empty: a colocated worker serves it alone)."""
+
+    rid: str
+    prompt: bytes
+    """int32 token ids (``unpack_ids``)."""
+    params: dict[str, Param]
+    """``SamplingParams.to_dict()``, validated by the router."""
+    prefill: str
+    prefill_addr: str
+    """The prefill's KV address (the decode connects there; its ranks' addresses,
+    comma-separated, for a tensor-parallel prefill)."""
+    decode: str
+    eager: bool = False
+    """The decode surely admits at once: the prefill may compute before the announce."""
+    label: str = ""
+    """The client's rid (``rid`` is the router's own, unique per submission); sampling
+    is seeded by it, so a rerun of a seeded request samples the same tokens."""
+    cap: str = ""
+    """The request's KV capability: a random secret only these two workers get; the
+    decode announces with it and the prefill sends KV only to the peer that did."""
+
+
+# -- client -> router ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    """A new request. ``params`` are sampling parameters by name (``SamplingParams``);
+    the router validates everything and answers ``Error`` for a bad request."""
+
+    rid: str
+    prompt: bytes
+    params: dict[str, Param] = field(default_factory=dict)
+    text: str = ""
+    """A text prompt instead of ``prompt`` ids (encoded by the router; bos as the
+    tokenizer adds it)."""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """Chat messages (role, content) instead: rendered with the model's chat template."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the output ends before the first (text requests)."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """Ask the router for a ``StatusReport``."""
+
+    nonce: int = 0
+    """Echoed in the answer, so a late answer to an earlier ask is told apart."""
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """The router's view: each worker's role/ready/lost/pid, requests in flight, the
+    config, and the router's counters of refused messages by code."""
+
+    workers: dict[str, dict[str, Scalar]]
+    in_flight: int
+    config: dict[str, Scalar]
+    errors: dict[str, int] = field(default_factory=dict)
+    metrics_url: str = ""
+    """Where the router serves ``/metrics`` over HTTP (empty: it does not)."""
+    nonce: int = 0
+    """The ``Status`` it answers."""
+
+
+@dataclass(frozen=True)
+class MetricsQuery:
+    """Ask the router for a ``MetricsSnapshot``."""
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The deployment's metrics as the router exposes them (``common.metrics.pack``):
+    the router's own families and every worker's last report, labelled by worker."""
+
+    families: bytes
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Answer to ``Shutdown`` once every live worker sent its final ``Stats`` (or the
+    lease passed): stats by worker name, each with its ``role``."""
+
+    stats: dict[str, dict[str, Scalar]]
+    metrics: bytes = b""
+    """The deployment's final metrics (``MetricsSnapshot.families``), after every worker's
+    final report."""
+
+
+# -- several directions -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Abort:
+    """Stop ``rid`` at any stage; every side frees what it holds (``aborted``)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class Error:
+    """A refused request (``rid`` set) or message. ``code``: ``bad_request`` (fix the
+    request and retry), ``unknown_rid``, ``refused`` (registration), ``forbidden`` (the
+    sender's identity may not send this, or not for this request), ``not_registered``
+    (a worker message from a peer that did not register), ``unexpected`` (a message this
+    receiver does not take), or a codec code (``malformed``, ``unknown_type``,
+    ``missing_field``, ``bad_field``, ``oversized``, ``extra_frames``)."""
+
+    rid: str
+    error: str
+    code: str = "bad_request"
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe; a worker ignores it (it renews the router's lease), the router
+    answers ``Pong`` to a client."""
+
+    nonce: int = 0
+    """Echoed in the ``Pong``."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Answer to a client's ``Ping``."""
+
+    run: str = ""
+    """The router incarnation's tag: a new one means the router restarted and every
+    request sent to the old one is lost."""
+    nonce: int = 0
+    """The ``Ping`` it answers."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Client -> router: stop every worker and answer ``Bye``; router -> worker: free
+    everything, send ``Stats``, exit 0."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Not a wire message: what a receiver gets in place of a frame that did not decode
+    (``code`` and ``detail`` from the codec; ``rid`` when the frame had one)."""
+
+    code: str
+    detail: str
+    rid: str = ""
+
+
+Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | Tokens | Done
+           | Registered | Req | Submit | Status | StatusReport | MetricsQuery
+           | MetricsSnapshot | Bye | Abort | Error | Ping | Pong | Shutdown)
+CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

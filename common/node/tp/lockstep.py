@@ -1,0 +1,367 @@
+"""Tensor-parallel workers in lockstep: rank 0 decides, the other ranks repeat.
+
+Rank 0 (the leader) is the whole worker: it registers with the router, schedules,
+allocates, samples. Ranks 1.. (followers) hold their shard of the model (``TpModel``) and
+a ``KvCache`` of their own (their KV heads, their own free log) and run no scheduler.
+Before each forward pass the leader broadcasts one ``TpStep``: every change it made to
+its cache since the last step (``TpKvOp``: rows opened, extended, committed, freed,
+pinned, ...) and the pass itself (which rows, from which position, which tokens). A
+follower applies the ops to its own cache, so a request's page ids are the same on every
+rank (decided by rank 0; a follower whose allocator hands out other pages raises
+``GroupLost`` at once instead of computing over the wrong slots), then runs the same pass;
+the passes' all-reduces pair up because every rank runs them in the same order.
+
+Nothing exchanged is sized by a rank's own state: the step is one ``broadcast_bytes``
+(a fixed header announcing the size, then the bytes), sent by rank 0 only. Sampling
+happens on rank 0 alone; its tokens reach the followers as the next step's input.
+
+An idle leader sends an empty step every quarter of the group's deadline
+(``keepalive``), so a follower's wait is bounded both ways: a follower that hears nothing
+for the deadline knows rank 0 is gone, and rank 0 learns of a dead follower at its next
+broadcast or all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.control import Codec, DecodeError, pack_ids
+from common.kv import KvCache, KvRecord
+from common.model import BatchItem, ModelRunner
+from common.parallel import GroupLost, TpGroup
+
+logger = logging.getLogger(__name__)
+
+TAG_CONFIG = 0x7C0F
+TAG_STEP = 0x7C57
+
+
+@dataclass(frozen=True)
+class TpKvOp:
+    """One change the leader made to its cache, in the order it made them."""
+
+    op: str
+    """open, extend, commit, close_row, free, evict, handoff, free_pages, pin, pin_pages,
+    unpin or close; ``x_*`` a transfer op, ``h_*`` a host-tier op (``common.node.tp.host``)."""
+    owner: str = ""
+    counters: list[int] = field(default_factory=list)
+    """The row's counters before the op (allocated, committed, swa floor, protected): the
+    caller may have set them directly (free_kv_row leaves them to it)."""
+    n: int = 0
+    m: int = 0
+    ranges: list[int] = field(default_factory=list)
+    """free: flat [start0, end0, start1, end1, ...]."""
+    pages: bytes = b""
+    """extend: the new pages; pin/free_pages/pin_pages: the pages (int32 bytes); h_copy:
+    the source pages, then the destination's."""
+    text: str = ""
+    """free/free_pages: reason; handoff: new owner; pin: reason."""
+    pool: str = "full"
+    retained: list[str] = field(default_factory=list)
+    detail: str = ""
+    """Transfer ops (``x_*``, see ``Lockstep.record_transfer``): an abort's detail, an
+    announce's prefill addresses."""
+
+
+@dataclass(frozen=True)
+class TpStep:
+    """What every follower does next: apply ``ops``, then run ``kind``."""
+
+    kind: str
+    """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about),
+    health (each rank's ``RankReport`` asked for) or stop."""
+    ops: list[bytes] = field(default_factory=list)
+    draft: bool = False
+    owners: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    tokens: bytes = b""
+    final: bool = False
+    """health: the last one (the pools closed); the report carries the rank's stats."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a follower tells rank 0 at every heartbeat (the ``health`` step)."""
+
+    problems: str = ""
+    """Its free logs that cannot write now ("" when they all can)."""
+    metrics: bytes = b""
+    """Its metric families (``common.metrics.pack``): its pool, its KV transport."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Final step only: its final counters (the worker's ``Stats`` under ``tp<r>.``)."""
+
+
+MAX_REPORT_BYTES = 1 << 20
+"""A follower's report is at most this (its metrics are left out past it): the gather's
+payload is bounded by the protocol, not by what a rank happens to hold."""
+
+CODEC = Codec(TpKvOp, TpStep, max_bytes=256 << 20)
+OP_CODEC = Codec(TpKvOp)
+REPORT_CODEC = Codec(RankReport, max_bytes=MAX_REPORT_BYTES)
+
+
+def _counters(kv: KvRecord) -> list[int]:
+    return [kv.allocated_len, kv.committed_len, kv.swa_evicted_seqlen, kv.protected_len]
+
+
+class Lockstep:
+    """The leader's side: collects ops, broadcasts steps, keeps followers alive.
+
+    After the first failed collective the group is lost for good: every later call raises
+    ``GroupLost`` at once (the worker ends its requests and exits; it never waits twice).
+    """
+
+    def __init__(self, group: TpGroup) -> None:
+        self.group = group
+        self.lost: GroupLost | None = None
+        self._ops: list[bytes] = []
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._urgent = False  # transfer ops wait: send them even when idle
+
+    def record(self, op: TpKvOp) -> None:
+        if self.lost is None:
+            self._ops.append(OP_CODEC.encode(op))
+
+    def send(self, step_kind: str, batch: Sequence[BatchItem] = (), draft: bool = False
+             ) -> None:
+        """Broadcast the ops so far and the next pass (``batch``) to every follower."""
+        if self.lost is not None:
+            raise GroupLost(f"tp group already lost: {self.lost}")
+        with self._lock:
+            ops, self._ops, self._urgent = self._ops, [], False
+        step = TpStep(step_kind, ops, draft, [b.kv.owner for b in batch],
+                      [b.start for b in batch], [b.num_tokens for b in batch],
+                      pack_ids(np.concatenate([_ids(b.token_ids) for b in batch]))
+                      if batch else b"")
+        try:
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(step))
+        except GroupLost as exc:
+            self.lost = exc
+            raise
+        self._last = time.monotonic()
+
+    def record_transfer(self, op: str, rid: str, **fields) -> None:
+        """A transfer op (``x_expect``, ``x_send``, ``x_finish``, ``x_announce``,
+        ``x_abort``): each follower repeats it on its own KV transport (``RankTransfer``),
+        after the cache ops recorded before it."""
+        self.record(TpKvOp(op, rid, **fields))
+        self._urgent = True
+
+    def agree(self, rids: Sequence[str], mine: Sequence[int]) -> list[int]:
+        """Ask every rank for its status of each of ``rids`` (rank 0's is ``mine``); returns
+        the minimum over the ranks, rid by rid. The count travels in the step first, so
+        every rank's all-reduce has the same shape (``RankTransfer.status`` gives a
+        follower's)."""
+        if self.lost is not None:
+            raise GroupLost(f"tp group already lost: {self.lost}")
+        with self._lock:
+            ops, self._ops, self._urgent = self._ops, [], False
+        try:
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("agree", ops,
+                                                                     owners=list(rids))))
+            verdicts = self.group.all_min(list(mine))
+        except GroupLost as exc:
+            self.lost = exc
+            raise
+        self._last = time.monotonic()
+        return verdicts
+
+    def health(self, final: bool = False) -> list[RankReport]:
+        """Each follower's ``RankReport`` (free-log problems, metrics; ``final``: stats
+        too), in rank order: the step says what is asked, then one gather (sizes first:
+        every rank knows the shape; each payload at most ``MAX_REPORT_BYTES``). Rank 0
+        pauses admission on the problems as on its own and reports the metrics labelled
+        by rank (``WorkerBase``). A report that does not decode counts as a problem."""
+        if self.lost is not None:
+            raise GroupLost(f"tp group already lost: {self.lost}")
+        with self._lock:
+            ops, self._ops, self._urgent = self._ops, [], False
+        try:
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops,
+                                                                     final=final)))
+            got = self.group.gather_bytes(b"")
+        except GroupLost as exc:
+            self.lost = exc
+            raise
+        self._last = time.monotonic()
+        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
+
+    def keepalive(self) -> None:
+        """Called after every tick: the ops recorded since the last step go out at once
+        (a follower's transfer must not wait for rank 0's next pass), and an idle leader
+        sends an empty step once a quarter of the deadline passed."""
+        if self._urgent or time.monotonic() - self._last > self.group.timeout_s / 4:
+            self.send("idle")
+
+    def stop(self) -> None:
+        """Last step (after the cache's close): followers close their caches and exit."""
+        if self.lost is None:
+            try:
+                self.send("stop")
+            except GroupLost:
+                logger.warning("tp: a follower was gone at shutdown")
+        self.group.close()
+
+
+def _report(rank: int, raw: bytes) -> RankReport:
+    try:
+        return REPORT_CODEC.decode(raw)
+    except DecodeError as exc:
+        return RankReport(problems=f"tp rank {rank}: its report does not decode ({exc})")
+
+
+def encode_report(report: RankReport) -> bytes:
+    """A follower's report as it travels; its metrics are dropped when they would make
+    it larger than ``MAX_REPORT_BYTES`` (said in ``problems``, never a failed gather)."""
+    raw = REPORT_CODEC.encode(report)
+    if len(raw) <= MAX_REPORT_BYTES:
+        return raw
+    logger.warning("tp: a rank's metrics are %d bytes, more than %d: not reported",
+                   len(report.metrics), MAX_REPORT_BYTES)
+    return REPORT_CODEC.encode(RankReport(report.problems, b"", report.stats))
+
+
+def _ids(token_ids) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.cpu().numpy().astype(np.int32)
+    return np.asarray(token_ids, dtype=np.int32)
+
+
+class LeaderKvCache(KvCache):
+    """Rank 0's cache: a ``KvCache`` that tells ``lockstep`` every change it makes."""
+
+    def __init__(self, *args, lockstep: Lockstep, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lockstep = lockstep
+        self._jlock = threading.RLock()  # one op recorded in the order it was applied
+
+    def _rec(self, op: str, kv: KvRecord | None = None, before: list[int] | None = None,
+             **kw) -> None:
+        self.lockstep.record(TpKvOp(op, kv.owner if kv else kw.pop("owner", ""),
+                                    before or [], **kw))
+
+    def open_row(self, owner: str) -> KvRecord:
+        with self._jlock:
+            kv = super().open_row(owner)
+            self._rec("open", owner=owner)
+            return kv
+
+    def extend(self, kv: KvRecord, num_tokens: int) -> None:
+        with self._jlock:
+            before = _counters(kv)
+            first = -(-kv.allocated_len // self.page_size)
+            super().extend(kv, num_tokens)
+            last = -(-kv.allocated_len // self.page_size)
+            new = self.pages(kv, first * self.page_size, kv.allocated_len) \
+                if last > first else np.empty(0, np.int32)
+            self._rec("extend", kv, before, n=num_tokens, pages=pack_ids(new))
+
+    def commit(self, kv: KvRecord, num_tokens: int) -> None:
+        with self._jlock:
+            before = _counters(kv)
+            super().commit(kv, num_tokens)
+            self._rec("commit", kv, before, n=num_tokens)
+
+    def close_row(self, kv: KvRecord) -> None:
+        with self._jlock:
+            before = _counters(kv)
+            super().close_row(kv)
+            self._rec("close_row", owner=kv.owner, before=before)
+
+    def free_kv_row(self, kv: KvRecord, ranges: Iterable[Sequence[int]], *,
+                    reason="finished") -> None:
+        ranges = [tuple(r) for r in ranges]
+        with self._jlock:
+            before = _counters(kv)
+            super().free_kv_row(kv, ranges, reason=reason)
+            self._rec("free", kv, before, ranges=[int(x) for r in ranges for x in r],
+                      text=str(getattr(reason, "value", reason)))
+
+    def evict_window(self, kv: KvRecord, upto: int) -> None:
+        with self._jlock:
+            before = _counters(kv)
+            super().evict_window(kv, upto)
+            self._rec("evict", kv, before, n=upto)
+
+    def handoff(self, kv: KvRecord, end: int, to: str) -> None:
+        with self._jlock:
+            before = _counters(kv)
+            super().handoff(kv, end, to)
+            self._rec("handoff", kv, before, n=end, text=to)
+
+    def free_pages(self, owner: str, pages: np.ndarray, *, reason, pool: str = "full") -> None:
+        with self._jlock:
+            super().free_pages(owner, pages, reason=reason, pool=pool)
+            self._rec("free_pages", owner=owner, pages=pack_ids(np.asarray(pages, np.int32)),
+                      text=str(getattr(reason, "value", reason)), pool=pool)
+
+    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
+        with self._jlock:
+            before = _counters(kv)
+            pin_id = super().pin(kv, start, end, reason=reason)
+            self._rec("pin", kv, before, n=start, m=end, ranges=[pin_id], text=reason)
+            return pin_id
+
+    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
+        with self._jlock:
+            pin_id = super().pin_pages(pages, reason=reason, pool=pool)
+            self._rec("pin_pages", pages=pack_ids(np.asarray(pages, np.int32)), text=reason,
+                      pool=pool, ranges=[pin_id])
+            return pin_id
+
+    def unpin(self, pin_id: int) -> None:
+        with self._jlock:
+            super().unpin(pin_id)
+            self._rec("unpin", n=pin_id)
+
+    def close(self, retained: Sequence[str] = ()) -> None:
+        with self._jlock:
+            super().close(retained)
+            self._rec("close", retained=list(retained))
+
+
+class RankPins:
+    """Rank 0's cache as its KV transport sees it: the transport's pins are this rank's
+    alone (each rank's transport pins its own pages, at its own pace), so they are not
+    recorded for the followers; everything else is the cache itself."""
+
+    def __init__(self, cache: LeaderKvCache) -> None:
+        self._cache = cache
+
+    def __getattr__(self, name: str):
+        return getattr(self._cache, name)
+
+    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
+        return KvCache.pin_pages(self._cache, pages, reason=reason, pool=pool)
+
+    def unpin(self, pin_id: int) -> None:
+        KvCache.unpin(self._cache, pin_id)
+
+    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
+        return KvCache.pin(self._cache, kv, start, end, reason=reason)
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: each pass is announced to the followers, then run with them."""
+
+    def __init__(self, model, cache: LeaderKvCache, draft=None) -> None:
+        super().__init__(model, cache, draft)
+        self.lockstep = cache.lockstep
+
+    def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
+        self.lockstep.send("forward", batch, draft)
+        return super().forward(batch, draft=draft)
+
+    def forward_all(self, batch: list[BatchItem], *, draft: bool = False
+                    ) -> list[torch.Tensor]:
+        self.lockstep.send("forward_all", batch, draft)
+        return super().forward_all(batch, draft=draft)

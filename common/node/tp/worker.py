@@ -1,0 +1,303 @@
+"""The ranks of a tensor-parallel worker: rank 0's setup, and the process of every other.
+
+A worker of ``size`` ranks is ``size`` processes, one per device, started with the same
+``--tp-address`` (rank 0 hosts the rendezvous there). Rank 0 is the worker the router
+knows: it registers, receives the deployment's config, and broadcasts it (with its pool
+size) to the other ranks, which build their shard of the model and a pool of their KV
+heads, then follow rank 0 step by step (``common.node.tp.lockstep``). Only rank 0 talks
+to the router; the other ranks have no socket but the group's.
+
+Followers' metrics and final counters reach the router through rank 0, labelled
+``rank`` (``common.node.tp.metrics``).
+
+Each rank writes its own free log: ``<name>.freelog`` for rank 0, ``<name>.tp<r>.freelog``
+for rank ``r`` (node ``<name>/tp<r>``), all in the worker's log directory; with offload,
+each rank's host tier logs beside it (``<name>.host.freelog``, ``<name>.tp<r>.host.freelog``;
+``common.node.tp.host``).
+
+SIGTERM stops a follower only in step with rank 0 (see ``_on_signals``).
+
+Failures: a rank that dies makes the others' next collective fail within
+``tp_timeout_s``. Rank 0 then ends its requests (``aborted``, the router fails them to
+their clients) and exits with status 1, so the router sees the worker lost; a follower
+whose rank 0 is gone frees what it holds (``peer_lost``), closes its log and exits with
+status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.config import ServeConfig
+from common.control import wait_any
+from common.freelog import freelog_file
+from common.kv import KvCache
+from common.model import ModelRunner, TpModel
+from common.node.tp import (
+    TAG_CONFIG,
+    TAG_STEP,
+    LeaderKvCache,
+    LeaderRunner,
+    Lockstep,
+    Mirror,
+    RankTransfer,
+    follower_host,
+)
+from common.node.tp.metrics import RankMetrics
+from common.parallel import GroupLost, TpGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TpSpec:
+    """Where this process sits in its worker's group (``--tp-size/--tp-rank/--tp-address``)."""
+
+    size: int
+    rank: int
+    address: str
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"--tp-rank {self.rank} must be in [0, --tp-size {self.size})")
+        if self.size > 1 and not self.address:
+            raise ValueError("--tp-size > 1 needs --tp-address tcp://HOST:PORT (rank 0's host)")
+
+
+def freelog_path(log_dir: str | None, name: str, rank: int) -> str | None:
+    return freelog_file(log_dir, name if rank == 0 else f"{name}.tp{rank}")
+
+
+def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pages: int,
+                 device: str, log_dir: str | None, max_rows: int, *,
+                 shared_memory: bool = False, kv_auth: dict | None = None
+                 ) -> tuple[TpModel, LeaderKvCache, LeaderRunner]:
+    """Rank 0: join the group, hand the others the config, build this rank's shard.
+
+    ``kv_auth``: the KV plane's credentials from the router (``PlaneAuth.to_dict``),
+    which the followers' transports present too: they cross the group's connection
+    (docs/security.md: keep the rendezvous on loopback or a private network).
+
+    Raises:
+        ValueError: the group's size is not the config's (``prefill_tp``/``decode_tp``).
+        GroupLost: a rank did not join within ``tp_timeout_s``.
+    """
+    if spec.size != config.role_tp(role):
+        raise ValueError(f"{name}: started with --tp-size {spec.size}, the deployment's "
+                         f"config has {config.role_tp(role)} rank(s) for a {role} worker")
+    group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s)
+    shared = shared_memory and torch.device(device).type == "cpu"
+    setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,
+             "name": name, "role": role, "shared_memory": shared, "kv_auth": kv_auth or {}}
+    group.broadcast_bytes(TAG_CONFIG, json.dumps(setup).encode())
+    model, draft = _models(config, group, device)
+    lockstep = Lockstep(group)
+    cache = LeaderKvCache(num_pages, config.page_size, layout=_layout(config, model),
+                          device=device, log_path=freelog_path(log_dir, name, 0), node=name,
+                          max_rows=max_rows, lockstep=lockstep, shared_memory=shared)
+    return model, cache, LeaderRunner(model, cache, draft)
+
+
+def _models(config: ServeConfig, group: TpGroup, device: str) -> tuple[TpModel, TpModel | None]:
+    """This rank's shard of the target and of the draft checkpoint (if any).
+
+    A draft checkpoint is sharded exactly as the target (heads and MLP split, the head's
+    vocabulary sharded, logits gathered to rank 0): every rank runs its shard of every
+    draft pass in the lockstep, as it does the target's, and keeps the draft's KV of its
+    own heads in the first columns of its own rows. So the draft's KV of a request lives
+    on every rank next to the target's and travels with it, and rank 0 samples the
+    proposals from gathered logits as it does the target's tokens. Replicating the draft
+    on every rank would keep a full draft's KV on each (rows are per rank) and run each
+    proposal ``size`` times; running it on rank 0 alone would leave the followers without
+    the draft KV a disaggregated decode rank needs."""
+    dcfg = config.draft_model_config() if config.with_draft else None
+    return (TpModel(config.model_config(), group, device),
+            TpModel(dcfg, group, device) if dcfg is not None else None)
+
+
+def check_draft_split(config: ServeConfig, role: str) -> None:
+    """Refuse a disaggregated worker whose draft checkpoint's KV cannot be split by the
+    transport's head mapping: a draft with narrower KV rows than the target keeps each
+    rank's draft heads in the first columns of that rank's rows, which are other columns
+    in a group of another size.
+
+    Raises:
+        ValueError: ``role`` is prefill or decode, the draft's KV rows are narrower than
+            the target's, and ``prefill_tp != decode_tp``.
+    """
+    draft = config.draft_model_config() if config.with_draft else None
+    if role not in ("prefill", "decode") or draft is None or \
+            config.prefill_tp == config.decode_tp:
+        return
+    target = config.model_config()
+    if draft.kv_size < target.kv_size:
+        raise ValueError(
+            f"draft checkpoint {config.draft_model_path}: its KV rows ({draft.kv_size} "
+            f"values) are narrower than the target's ({target.kv_size}), so prefill_tp="
+            f"{config.prefill_tp} and decode_tp={config.decode_tp} must be equal (or use "
+            "a draft as wide as the target, the built-in draft layers, or n-gram)")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a follower's KV transport is built from (``run_follower``'s ``transfers``)."""
+
+    role: str
+    name: str
+    rank: int
+    size: int
+    config: ServeConfig
+    cache: KvCache
+    fingerprint: str
+    kv_auth: dict
+    kv_bind: str = ""
+    kv_advertise: str = ""
+
+
+TransferFactory = Callable[[RankSetup], tuple[RankTransfer, str]]
+"""Builds a follower's transport for its role; returns it and the KV address it
+advertises ("" when decodes do not connect to it)."""
+
+
+def _on_signals() -> list[float]:
+    """SIGTERM/SIGINT only mark the time: rank 0, signalled too when the whole worker
+    stops, closes its pool and sends the last step, and this rank closes its own log in
+    step with it. A rank signalled alone leaves after a grace period (rank 0 then sees
+    the group lost)."""
+    asked: list[float] = []
+
+    def mark(_signum, _frame) -> None:
+        if not asked:
+            asked.append(time.monotonic())
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, mark)
+    return asked
+
+
+class _Leave(BaseException):
+    """A follower signalled alone leaves its group (not an error of a collective: it
+    passes through ``TpGroup``'s wrapping of failures into ``GroupLost``)."""
+
+
+_TRANSPORT_WAIT_S = 0.02
+"""Longest sleep of a follower with a KV transport: its heartbeats, leases and deadlines
+move on at this pace, as rank 0's loop (``WorkerBase.idle_wait_s``)."""
+_SIGNAL_WAIT_S = 0.25
+"""Longest sleep of a follower without one: how soon it sees its grace pass."""
+
+
+class FollowerWait:
+    """How a follower waits for rank 0's next step (``TpGroup.broadcast_bytes``'s
+    ``idle``): asleep on its KV transport's sockets and on the group's wake fd at once,
+    so that it wakes the moment rank 0's step lands or a peer's message arrives, and at
+    least every ``_TRANSPORT_WAIT_S`` for its transport's timers. The group's deadline
+    still bounds the whole wait; a SIGTERM that rank 0 does not follow within ``grace``
+    makes it leave."""
+
+    def __init__(self, mirror: Mirror, asked: list[float], grace: float) -> None:
+        self.mirror, self.asked, self.grace = mirror, asked, grace
+
+    def __call__(self, wake_fd: int, left_s: float) -> None:
+        self.check_signalled()
+        transfer = self.mirror.transfer
+        if transfer is None:
+            wait_any([wake_fd], min(left_s, _SIGNAL_WAIT_S))
+            return
+        wait_any([*transfer.sockets(), wake_fd],
+                 min(left_s, transfer.poll_within() or _TRANSPORT_WAIT_S))
+        transfer.poll(0)
+
+    def check_signalled(self) -> None:
+        if self.asked and time.monotonic() - self.asked[0] > self.grace:
+            raise _Leave
+
+
+def _layout(config: ServeConfig, model: TpModel):
+    """The deployment's layout with this rank's KV heads."""
+    from dataclasses import replace
+
+    return replace(config.kv_layout(), num_kv_heads=model.config.num_kv_heads)
+
+
+def gather_kv_addresses(group: TpGroup, mine: str) -> list[str]:
+    """Every rank's advertised KV address, in rank order, on rank 0 (a disaggregated
+    group's transports are built: each rank passes its own)."""
+    got = group.gather_bytes(mine.encode())
+    return [] if got is None else [a.decode() for a in got]
+
+
+def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
+                 transfers: TransferFactory | None = None, kv_bind: str = "",
+                 kv_advertise: str = "") -> int:
+    """Rank > 0 of worker ``name``: follow rank 0 until it stops (0) or is lost (3).
+
+    ``transfers`` builds this rank's KV transport when the worker is a prefill or a
+    decode (the KV of this rank's heads moves between ranks directly); ``kv_bind`` /
+    ``kv_advertise``: where a prefill rank's sender binds and what decodes dial."""
+    group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
+    mirror = None
+    try:
+        setup = json.loads(group.broadcast_bytes(TAG_CONFIG, None))
+        config = ServeConfig.from_dict(setup["config"])
+        model, draft = _models(config, group, device)
+        node = f"{name}/tp{spec.rank}"
+        cache = KvCache(setup["num_pages"], config.page_size, layout=_layout(config, model),
+                        device=device, log_path=freelog_path(log_dir, name, spec.rank),
+                        node=node, max_rows=setup["max_rows"],
+                        shared_memory=setup.get("shared_memory", False))
+        runner = ModelRunner(model, cache, draft)
+        host = follower_host(config, cache, device, log_dir, f"{name}.tp{spec.rank}", node)
+        transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
+                             kv_advertise, group)
+        counting = RankMetrics(setup.get("role", "colocated"), cache, transfer, host)
+        mirror = Mirror(runner, spec.rank, transfer, group, host=host)
+        mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
+        logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
+                    model.config.num_kv_heads, setup["num_pages"])
+        wait = FollowerWait(mirror, _on_signals(), min(5.0, spec.timeout_s / 2))
+        try:
+            while mirror.apply(group.broadcast_bytes(TAG_STEP, None, wait)):
+                if mirror.transfer is not None:
+                    mirror.transfer.poll(0)  # steps may come back to back: never starve it
+                wait.check_signalled()
+        except _Leave:
+            logger.warning("%s: signalled and rank 0 did not stop within %.0f s: "
+                           "leaving the group", node, wait.grace)
+        if not mirror.closed:  # rank 0 stopped without closing its pool: close ours
+            mirror.abandon()
+        return 0
+    except GroupLost as exc:
+        logger.error("%s/tp%d: %s; freeing this rank's pages", name, spec.rank, exc)
+        if mirror is not None:
+            mirror.abandon()
+        return 3
+    finally:
+        if mirror is not None:
+            mirror.close_transfer()
+        group.close()
+
+
+def _transfer(factory: TransferFactory | None, setup: dict, spec: TpSpec,
+              config: ServeConfig, cache: KvCache, runner: ModelRunner, kv_bind: str,
+              kv_advertise: str, group: TpGroup) -> RankTransfer | None:
+    """This rank's KV transport (a disaggregated worker's), its address sent to rank 0."""
+    role = setup.get("role", "colocated")
+    if role == "colocated":
+        return None
+    if factory is None:
+        raise ValueError(f"{setup['name']}/tp{spec.rank}: a {role} rank needs its KV "
+                         "transport (run it through pdkv prefill/decode)")
+    transfer, address = factory(RankSetup(role, setup["name"], spec.rank, spec.size, config,
+                                          cache, runner.fingerprint, setup["kv_auth"],
+                                          kv_bind, kv_advertise))
+    gather_kv_addresses(group, address)
+    return transfer

@@ -1,0 +1,2 @@
+"""Launching a deployment: its config from flags, its processes on one machine or on Ray,
+and ``pdkv run`` / ``pdkv serve``."""

@@ -1,0 +1,58 @@
+"""Who may send what to the router (docs/security.md, "Roles on the control plane").
+
+A sender's identity is the name its CURVE key has in the deployment's key directory
+(ZAP ``User-Id``, never anything the sender writes); its role is that name up to the
+first ``-``. Without keys every identity is '' and may send anything: such a router binds
+only loopback, so only local processes of its user reach it.
+
+The per-request rules (a worker only about requests it was given, a client only about
+its own) are checked by the router's handlers, which know the requests.
+"""
+
+from __future__ import annotations
+
+from common.auth import role_of
+from common.control import (
+    Abort,
+    Done,
+    Error,
+    Load,
+    Malformed,
+    MetricsQuery,
+    MetricsReport,
+    Ping,
+    Prefilled,
+    Ready,
+    Register,
+    Shutdown,
+    Stats,
+    Status,
+    Submit,
+    Tokens,
+)
+
+_WORKER = ("worker",)
+_CLIENT = ("client", "operator")
+MAY_SEND: dict[type, tuple[str, ...]] = {
+    Register: _WORKER, Ready: _WORKER, Load: _WORKER, Stats: _WORKER, Tokens: _WORKER,
+    Done: _WORKER, Prefilled: _WORKER, Error: _WORKER, MetricsReport: _WORKER,
+    Submit: _CLIENT, Abort: _CLIENT, Status: _CLIENT, Ping: _CLIENT, MetricsQuery: _CLIENT,
+    Shutdown: ("operator",),
+    Malformed: ("worker", "client", "operator"),  # answered with its error, nothing else
+}
+
+
+def may_send(identity: str, kind: type) -> bool:
+    """``identity`` (an identity name, '' without keys) may send a ``kind`` message."""
+    if not identity:
+        return True
+    try:
+        role = role_of(identity)
+    except ValueError:
+        return False
+    return role in MAY_SEND.get(kind, ())
+
+
+def is_operator(identity: str) -> bool:
+    """An identity of role ``operator`` (no one is, without keys)."""
+    return identity.split("-", 1)[0] == "operator"

@@ -1,0 +1,610 @@
+"""The router (front door): registers workers, routes requests load-aware, relays results.
+
+Clients and workers connect DEALER sockets to the router's one ROUTER socket
+(``common.control.messages``). For each submitted request the router
+
+1. validates it (``common.request.validate``) against the model and the pools that
+   registered, answering ``error`` to the client for a bad one; a text request is
+   encoded on a thread first (``deploy.router.text_encoder``), never in this loop;
+2. picks a decode (least reserved tokens per pool token) and a prefill (fewest prompt
+   tokens assigned and not yet prefilled), or one colocated worker;
+3. sends ``req`` to both; the decode preallocates and announces to the prefill itself;
+4. relays ``tokens`` to the client as they come, and ``done`` once the decode finished and
+   the prefill reported its transfer (or a short grace period passed);
+5. forwards client aborts to both workers; an unknown rid is an error to the client;
+6. fails requests of a worker silent past the lease, and requests past their deadline.
+
+With a key directory every peer authenticates with CURVE and the router checks what its
+identity may do (``deploy.router.roles``, docs/security.md): workers of this deployment only
+about requests it gave them, clients only about their own requests, shutdown only by an
+operator. Each request gets a KV capability that only its two workers learn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import zmq
+
+from common import trace
+from common.auth import Keys, control_server, kv_plane
+from common.config import ServeConfig
+from common.control import (
+    Abort,
+    Bye,
+    ControlHub,
+    Done,
+    Error,
+    Hub,
+    Load,
+    Malformed,
+    Message,
+    MetricsQuery,
+    MetricsReport,
+    MetricsSnapshot,
+    Ping,
+    Pong,
+    Prefilled,
+    Ready,
+    Register,
+    Registered,
+    Req,
+    Shutdown,
+    Stats,
+    Status,
+    StatusReport,
+    Submit,
+    Tokens,
+    pack_ids,
+)
+from common.request import BadRequest, SamplingParams
+from deploy.router.door import Door
+from deploy.router.metrics import RouterMetrics
+from deploy.router.placement import WorkerInfo, admits_at_once, pick
+from deploy.router.roles import is_operator, may_send
+from deploy.router.routes import Route, RouteTable
+from deploy.router.text_encoder import EncodeFailed, EncodeTimeout, Job, Overloaded, TextEncoder
+from deploy.router.text_route import TextRoute
+
+logger = logging.getLogger(__name__)
+_PREFILL_GRACE_S = 2.0
+_ENCODING_POLL_S = 0.002
+"""The loop's wait while texts are being encoded: a finished one is routed this soon."""
+_FAREWELL_S = 1.0
+"""How long the Bye to whoever asked for shutdown may take to leave before the socket closes."""
+_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
+"""Accepted only from a peer that registered as a worker."""
+
+
+class Router:
+    """The router's state and message handlers; ``serve`` runs its loop.
+
+    Args:
+        address: where to bind (without ``keys`` only loopback or a private ipc path), or
+            a ``ControlHub`` already made (tests).
+        config: the deployment's config, handed to every worker.
+        keys: the deployment's key directory (CURVE on every peer); None: no keys.
+        metrics_host, metrics_port: serve the deployment's metrics over HTTP there.
+    """
+
+    def __init__(self, address: str | ControlHub, config: ServeConfig,
+                 keys: Keys | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> None:
+        self.config = config
+        self.door = Door(config)
+        self.encoder = TextEncoder(config.encode_threads, config.encode_queue,
+                                   config.encode_timeout_s)
+        self.deployment = keys.deployment_id if keys else ""
+        self.kv_auth = kv_plane(keys, config.kv_security)
+        self.ctx = zmq.Context()
+        try:
+            self.hub = address if isinstance(address, ControlHub) else Hub(
+                self.ctx, address, control_server(keys))
+        except BaseException:
+            self.ctx.term()
+            raise
+        self.address = self.hub.address
+        self.identities: dict[bytes, str] = {}
+        """Peer routing id -> the identity it authenticated as (first message)."""
+        self.workers: dict[str, WorkerInfo] = {}
+        self.by_peer: dict[bytes, str] = {}
+        self.routes = RouteTable()
+        self.errors: Counter[str] = self.hub.errors
+        """Refused messages by ``Error`` code (undecodable ones counted by the hub)."""
+        self.shutdown_by: bytes | None = None
+        self.t_shutdown = 0.0
+        self._next_ping = 0.0
+        self._handlers: dict[type, Callable[[bytes, Message], None]] = {
+            Register: self._on_register, Ready: self._on_ready, Load: self._on_load,
+            Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
+            Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
+            Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
+            Error: self._on_error, Malformed: self._on_malformed,
+            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query}
+        self.metrics = RouterMetrics(lambda: len(self.routes), lambda: len(self.encoder))
+        if metrics_port is not None:
+            self.metrics.serve_http(metrics_host, metrics_port)
+
+    # -- loop ----------------------------------------------------------------------------
+    def serve(self) -> None:
+        if self.deployment:
+            logger.info("router: listening at %s (deployment %s, CURVE; KV plane %s)",
+                        self.address, self.deployment, self.kv_auth.mechanism)
+        else:
+            logger.warning("router: listening at %s WITHOUT authentication (no --auth-keys): "
+                           "any local process may act as any worker or client",
+                           self.address)
+        try:
+            while not self.shutdown_complete():
+                item = self.hub.recv(self.idle_wait_s())
+                while item is not None:
+                    self.dispatch(*item)
+                    item = self.hub.recv(0)
+                self.tick(time.monotonic())
+        finally:
+            self.close()
+
+    def idle_wait_s(self) -> float:
+        """Longest wait for a message before the next ``tick`` (short while texts are
+        being encoded: a finished one is routed this soon)."""
+        return _ENCODING_POLL_S if len(self.encoder) else 0.05
+
+    def close(self) -> None:
+        """Stop the encoding threads and the metrics server, close the socket."""
+        self.encoder.close()
+        self.metrics.close()
+        self.hub.close(_FAREWELL_S if self.shutdown_by is not None else 0.0)
+        self.ctx.term()
+
+    def dispatch(self, peer: bytes, msg: Message | Malformed, identity: str = "") -> None:
+        """Handle one message from ``peer``, authenticated as ``identity`` ('' without
+        keys); whatever a peer sends, the router answers and serves on."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._refuse(peer, getattr(msg, "rid", ""), "unexpected",
+                         f"the router does not take {type(msg).__name__}")
+            return
+        if not self._authorized(peer, msg, identity):
+            return
+        name = self.by_peer.get(peer)
+        if name is not None and self.workers[name].lost and not isinstance(msg, Register):
+            # it was stopped or cut off past the lease; its requests failed: it must
+            # register again before it serves (WorkerBase does, on this answer)
+            self.hub.send(peer, Error("", f"worker {name} was declared lost; register "
+                                      "again", "lost"))
+            return
+        if name is not None:
+            self.workers[name].last_seen = time.monotonic()
+        elif isinstance(msg, _WORKER_MESSAGES):
+            self._refuse(peer, getattr(msg, "rid", ""), "not_registered",
+                         f"{type(msg).__name__} from a peer that did not register")
+            return
+        handler(peer, msg)
+
+    def _authorized(self, peer: bytes, msg: Message | Malformed, identity: str) -> bool:
+        """The sender's identity may send this kind of message, and is the one this
+        routing id first came with (docs/security.md)."""
+        first = self.identities.setdefault(peer, identity)
+        if first != identity:
+            self._forbid(peer, msg, f"routing id {peer!r} belongs to {first!r}, not "
+                         f"{identity!r}")
+            return False
+        if not may_send(identity, type(msg)):
+            self._forbid(peer, msg, f"identity {identity!r} may not send "
+                         f"{type(msg).__name__}")
+            return False
+        return True
+
+    def _forbid(self, peer: bytes, msg: Message | Malformed, why: str) -> None:
+        """Refuse and count a message its sender may not send; nothing else changes."""
+        self.errors[f"forbidden.{type(msg).__name__}"] += 1
+        self._refuse(peer, getattr(msg, "rid", ""), "forbidden", why)
+
+    def _refuse(self, peer: bytes, rid: str, code: str, error: str) -> None:
+        self.errors[code] += 1
+        logger.warning("router: refused a message from %r: %s", peer, error)
+        self.hub.send(peer, Error(rid, error, code))
+
+    def _on_malformed(self, peer: bytes, msg: Malformed) -> None:
+        # counted by the hub already
+        self.hub.send(peer, Error(msg.rid, f"malformed message: {msg.detail}", msg.code))
+
+    def _on_error(self, peer: bytes, msg: Error) -> None:
+        # logged, never answered: an error about an error would bounce forever
+        name = self.by_peer.get(peer)
+        logger.warning("router: %s reports an error (%s) for %r: %s", name or peer,
+                       msg.code, msg.rid, msg.error)
+        route = self.routes.get(msg.rid)
+        if route is None or name is None:
+            return
+        # A worker that could not take a request it still owes (its Req undecodable, say)
+        # will never report on it: end it now rather than leave the client waiting.
+        owes = ((name == route.decode and route.decode_done is None)
+                or (name == route.prefill and route.prefill_info is None))
+        if owes:
+            self._fail(route, "aborted" if route.aborted_by_client else "error",
+                       f"worker {name} could not serve the request ({msg.code}): "
+                       f"{msg.error}")
+
+    # -- workers -------------------------------------------------------------------------
+    def _on_register(self, peer: bytes, msg: Register) -> None:
+        if not hmac.compare_digest(msg.deployment, self.deployment):
+            self._forbid(peer, msg, f"deployment {msg.deployment!r} is not this router's "
+                         f"({self.deployment!r}): start the worker with this deployment's "
+                         "--auth-keys")
+            return
+        if self.by_peer.get(peer, msg.name) != msg.name:   # one connection, one worker
+            self._forbid(peer, msg, f"this connection registered already as "
+                         f"{self.by_peer[peer]!r}")
+            return
+        old = self.workers.get(msg.name)
+        if msg.role not in ("prefill", "decode", "colocated"):
+            self._refuse(peer, "", "refused", f"role {msg.role!r} refused; roles: prefill, "
+                         "decode, colocated")
+            return
+        if old is not None and not old.lost and old.peer != peer:
+            # a restarted worker under its old name: take it if the old one is gone
+            if self.hub.send(old.peer, Ping()):
+                self._refuse(peer, "", "name_taken", f"name {msg.name!r} is taken by a live "
+                             f"worker (pid {old.pid}); names are unique. If it died, it is "
+                             f"released within the lease ({self.config.lease_s:g} s)")
+                return
+            self._lose(old, "unreachable (a new process took its name)")
+        if old is not None and not old.lost and not old.ready:
+            self.hub.send(peer, Registered(self.config.to_dict()))  # a repeat: same answer
+            return
+        if old is not None and not old.lost:  # the same process again: it dropped its work
+            self._lose(old, "registered again")
+        if old is not None:
+            logger.warning("router: %s (%s) rejoins (pid %s)", msg.name, msg.role, msg.pid)
+        self.workers[msg.name] = WorkerInfo(msg.name, msg.role, peer, msg.pid,
+                                            last_seen=time.monotonic())
+        self.by_peer[peer] = msg.name
+        self.hub.send(peer, Registered(self.config.to_dict(), self.deployment,
+                                       self.kv_auth.to_dict()))
+        logger.info("router: %s registered as %s (pid %s)", msg.name, msg.role, msg.pid)
+
+    def _on_ready(self, peer: bytes, msg: Ready) -> None:
+        w = self.workers[self.by_peer[peer]]
+        w.ready, w.kv_addr, w.pool_tokens = True, msg.kv_addr, msg.pool_tokens
+        logger.info("router: %s ready (%d pool tokens)", w.name, w.pool_tokens)
+
+    def _on_load(self, peer: bytes, msg: Load) -> None:
+        # last_seen is refreshed by dispatch; routing uses the router's own counts
+        w = self.workers.get(self.by_peer.get(peer, ""))
+        if w is None:
+            return
+        if bool(w.paused) != bool(msg.paused):  # the text changes while paused: log once
+            if msg.paused:
+                logger.error("router: %s admits no new requests: %s", w.name, msg.paused)
+            else:
+                logger.warning("router: %s admits new requests again", w.name)
+        w.paused = msg.paused
+
+    def _on_stats(self, peer: bytes, msg: Stats) -> None:
+        self.workers[self.by_peer[peer]].stats = msg.stats
+
+    def _on_metrics_report(self, peer: bytes, msg: MetricsReport) -> None:
+        w = self.workers[self.by_peer[peer]]   # the registered name, not the message's
+        if not self.metrics.report(w.name, w.role, msg.families, msg.final):
+            self.errors["bad_field"] += 1
+
+    def _on_metrics_query(self, peer: bytes, msg: MetricsQuery) -> None:
+        self.hub.send(peer, MetricsSnapshot(self.metrics.snapshot()))
+
+    def _route_of(self, peer: bytes, msg: Tokens | Done | Prefilled, role: str
+                  ) -> Route | None:
+        """The route ``msg`` is about, if its sender is that route's ``role`` worker. A
+        rid that already ended (a late report) is dropped and counted ``stray_report``;
+        one given to another worker is forbidden (refused and counted; the route goes on
+        untouched)."""
+        route = self.routes.get(msg.rid)
+        if route is None:
+            self.errors["stray_report"] += 1
+            return None
+        if self.by_peer.get(peer) != getattr(route, role):
+            self._forbid(peer, msg, f"{msg.rid!r} was not given to "
+                         f"{self.by_peer.get(peer)!r} as its {role}")
+            return None
+        return route
+
+    def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
+        role = self._tokens_role(peer, msg)
+        route = self._route_of(peer, msg, role)
+        if route is None:
+            return
+        if msg.first:
+            trace.mark(f"router.first_in_from_{role}", route.rid)
+        if msg.t_kv_wall:
+            route.t_kv_wall = msg.t_kv_wall
+        ids = self._new_ids(route, msg)
+        if not ids:
+            return
+        self.metrics.tokens(route.rid, len(ids))
+        msg = dataclasses.replace(msg, rid=route.label, ids=ids, t_kv_wall=0.0,
+                                  first=msg.first and len(ids) == len(msg.ids))
+        if route.text is not None:
+            msg = self._text_tokens(route, msg)
+        if msg.ids:
+            self.hub.send(route.client, msg)
+            if msg.first:
+                trace.mark("router.first_out", route.rid)
+
+    def _tokens_role(self, peer: bytes, msg: Tokens) -> str:
+        """Who may send ``msg``: the decode, or (its first token alone) the prefill."""
+        route = self.routes.get(msg.rid)
+        if (route is not None and route.prefill and msg.first and len(msg.ids) == 1
+                and self.by_peer.get(peer) == route.prefill):
+            return "prefill"
+        return "decode"
+
+    def _new_ids(self, route: Route, msg: Tokens) -> list[int]:
+        """The ids of ``msg`` the client has not had. The first token comes twice: from
+        the prefill as soon as it is computed (so TTFT does not wait for the KV transfer)
+        and from the decode once it holds the KV; the later one is dropped."""
+        if not msg.first or not msg.ids:
+            return list(msg.ids)
+        if route.decode_done is not None:  # the decode ended it (an abort): nothing new
+            return []
+        if route.first_id is None:
+            route.first_id = msg.ids[0]
+            return list(msg.ids)
+        if msg.ids[0] != route.first_id:  # both computed it from the same KV: a bug
+            self.errors["first_token_mismatch"] += 1
+            logger.error("router: %s: the prefill and the decode disagree on the first "
+                         "token (%d relayed, %d now)", route.rid, route.first_id, msg.ids[0])
+        return list(msg.ids[1:])
+
+    def _text_tokens(self, route: Route, msg: Tokens) -> Tokens:
+        """Detokenize; a stop string ends the output here: the workers are told to stop."""
+        if route.text.stopped:
+            return dataclasses.replace(msg, ids=[])
+        ids, text = route.text.feed(msg.ids)
+        if route.text.stopped:
+            for name in (route.decode, route.prefill):
+                if name and route.decode_done is None:
+                    self._send_worker(name, Abort(route.rid))
+        return dataclasses.replace(msg, ids=ids, text=text)
+
+    def _on_done(self, peer: bytes, msg: Done) -> None:
+        route = self._route_of(peer, msg, "decode")
+        if route is None or route.decode_done is not None:
+            return
+        route.decode_done = msg
+        route.t_grace = time.monotonic() + _PREFILL_GRACE_S
+        self._release(route.decode, route.row_len)
+        if route.prefill and route.prefill_info is None and not msg.ok:
+            self._send_worker(route.prefill, Abort(route.rid))
+        self._maybe_finalize(route)
+
+    def _on_prefilled(self, peer: bytes, msg: Prefilled) -> None:
+        route = self._route_of(peer, msg, "prefill")
+        if route is None or route.prefill_info is not None:
+            return
+        route.prefill_info = msg
+        self._release(route.prefill, route.prompt_len)
+        self._maybe_finalize(route)
+
+    # -- clients -------------------------------------------------------------------------
+    def _on_submit(self, peer: bytes, msg: Submit) -> None:
+        t_in, now = trace.now_ns(), time.monotonic()
+        try:
+            if (peer, msg.rid) in self.encoder:
+                raise BadRequest(f"rid {msg.rid!r} is already in flight (its text is being "
+                                 "encoded); wait for its done or abort it before reusing it")
+            rid = self.routes.new_rid(peer, msg.rid)
+            if self.door.is_text(msg):   # encoded on a thread; routed by _tick_encoded
+                self.encoder.start((peer, msg.rid), self.door.text_job(msg), (rid, t_in),
+                                   now)
+                return
+            self._admitted(peer, msg.rid, rid, now, t_in,
+                           self.door.admit(msg, self.workers.values()))
+        except BadRequest as exc:
+            self._refuse_submit(peer, msg.rid, exc)
+
+    def _admitted(self, peer: bytes, label: str, rid: str, t_submit: float, t_in: int,
+                  admitted: tuple[list[int], SamplingParams, TextRoute | None]) -> None:
+        """Place and route a request that passed the door (``t_in``: its arrival, for
+        the trace).
+
+        Raises:
+            BadRequest: no worker can take it."""
+        prompt, params, text = admitted
+        decode, prefill = pick(self.workers.values(), len(prompt),
+                               len(prompt) + params.max_new_tokens)
+        self._route(Route(rid, label, peer, decode.name, prefill.name if prefill else "",
+                          len(prompt), len(prompt) + params.max_new_tokens, t_submit,
+                          text=text), prompt, params, decode, prefill)
+        trace.mark("router.submit_in", rid, t_in)
+        trace.mark("router.req_out", rid)
+
+    def _refuse_submit(self, peer: bytes, label: str, exc: BadRequest) -> None:
+        if isinstance(exc, Overloaded):
+            self.metrics.encoded(None, type(exc).__name__)
+        code = ("overloaded" if isinstance(exc, Overloaded) else "encode_timeout"
+                if isinstance(exc, EncodeTimeout) else "encode_failed"
+                if isinstance(exc, EncodeFailed) else "bad_request")
+        self.errors[code] += 1
+        self.hub.send(peer, Error(label, str(exc), code))
+
+    def _tick_encoded(self, now: float) -> None:
+        """Route the text requests whose encoding finished; fail the ones that failed
+        or passed ``encode_timeout_s``."""
+        for job in self.encoder.take(now):
+            self._encoded(job)
+
+    def _encoded(self, job: Job) -> None:
+        peer, label = job.key
+        self.metrics.encoded(job.t_done - job.t_submit if job.error is None else None,
+                             type(job.error).__name__ if job.error else "")
+        try:
+            if job.error is not None:
+                raise job.error
+            prompt, params, text = job.result
+            rid, t_in = job.context
+            self._admitted(peer, label, rid, job.t_submit, t_in,
+                           self.door.check(prompt, params, text, self.workers.values()))
+        except BadRequest as exc:
+            self._refuse_submit(peer, label, exc)
+
+    def _route(self, route: Route, prompt: list[int], params: SamplingParams,
+               decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+        route.cap = secrets.token_hex(16)  # KV only to these two workers (docs/security.md)
+        self.routes.add(route)
+        self.metrics.submitted(route.rid, route.t_submit)
+        eager = admits_at_once(decode, route.row_len, self.config)
+        decode.assigned += route.row_len
+        decode.routed += 1
+        req = Req(route.rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
+                  prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
+                  eager=eager, label=route.label, cap=route.cap)
+        if prefill is not None:  # first: the first token comes from its prefill pass
+            prefill.assigned += len(prompt)
+            self._send_worker(prefill.name, req)
+        if self.routes.get(route.rid) is route:  # not failed by a prefill found gone
+            self._send_worker(decode.name, req)
+
+    def _on_abort(self, peer: bytes, msg: Abort) -> None:
+        if self.encoder.cancel((peer, msg.rid)) is not None:
+            # never routed: no worker holds anything for it
+            self.hub.send(peer, Done(msg.rid, "aborted", error="aborted while its text "
+                                     "was being encoded"))
+            self.metrics.finished("", "aborted")
+            return
+        route = self.routes.of_client(peer, msg.rid)
+        if route is None and is_operator(self.identities.get(peer, "")):
+            route = self.routes.get(msg.rid)  # an operator aborts by the router's id
+        if route is None:
+            self.errors["unknown_rid"] += 1
+            self.hub.send(peer, Error(msg.rid, f"abort: unknown rid {msg.rid!r} (not in "
+                                      "flight)", "unknown_rid"))
+            return
+        if route.client != peer and not is_operator(self.identities.get(peer, "")):
+            self._forbid(peer, msg, f"abort: {msg.rid!r} was submitted by another client")
+            return
+        route.aborted_by_client = True
+        for name in (route.decode, route.prefill):
+            if name:
+                self._send_worker(name, Abort(route.rid))
+
+    def _on_status(self, peer: bytes, msg: Status) -> None:
+        self.hub.send(peer, StatusReport(
+            workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
+                              "paused": w.paused} for w in self.workers.values()},
+            in_flight=len(self.routes) + len(self.encoder), config=self.config.to_dict(),
+            errors={**self.errors, **({"unauthenticated": self.hub.refused}
+                                      if self.hub.refused else {})},
+            metrics_url=self.metrics.url, nonce=msg.nonce))
+
+    def _on_shutdown(self, peer: bytes, msg: Shutdown) -> None:
+        logger.info("router: shutdown requested")
+        for client, label in self.encoder.cancel_all():   # never routed: nothing to free
+            self.hub.send(client, Error(label, "the router is shutting down", "shutdown"))
+        self.shutdown_by, self.t_shutdown = peer, time.monotonic()
+        for w in self.workers.values():
+            if not w.lost:
+                self.hub.send(w.peer, Shutdown())
+
+    def _on_ping(self, peer: bytes, msg: Ping) -> None:
+        self.hub.send(peer, Pong(self.routes.run, msg.nonce))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _release(self, name: str, tokens: int) -> None:
+        w = self.workers.get(name)
+        if w is not None and tokens:
+            w.assigned = max(0, w.assigned - tokens)
+            w.routed = max(0, w.routed - 1)
+
+    def _send_worker(self, name: str, msg: Message) -> None:
+        w = self.workers.get(name)
+        if w is not None and not w.lost and not self.hub.send(w.peer, msg):
+            self._lose(w, "unreachable")
+
+    def _maybe_finalize(self, route: Route, force: bool = False) -> None:
+        if route.decode_done is None or (route.prefill and route.prefill_info is None
+                                         and not force):
+            return
+        if not self.routes.pop(route):
+            return
+        if route.text is not None and (tail := route.text.finish()):
+            self.hub.send(route.client, Tokens(route.label, [], text=tail))  # held back
+        final = route.final()
+        self.hub.send(route.client, final)
+        self.metrics.finished(route.rid, final.reason)
+
+    def _fail(self, route: Route, reason: str, error: str) -> None:
+        """End ``route`` before its decode finished: tell the client, abort its workers.
+        Re-entrant: aborting a worker may find it gone and fail its other routes."""
+        if not self.routes.pop(route):
+            return
+        self.hub.send(route.client, Done(route.label, reason, error=error))
+        self.metrics.finished(route.rid, reason)
+        self._release(route.decode, route.row_len if route.decode_done is None else 0)
+        self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
+        for name in (route.decode, route.prefill):
+            if name and route.decode_done is None:
+                self._send_worker(name, Abort(route.rid))
+
+    def _lose(self, w: WorkerInfo, why: str) -> None:
+        if w.lost:
+            return
+        w.lost = True
+        self.metrics.lost(w.name, w.role)
+        logger.error("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
+        for route in self.routes:
+            # a prefill that reported its part (the decode holds every page) owes nothing
+            owes = (w.name == route.decode or (w.name == route.prefill
+                                                and route.prefill_info is None))
+            if owes and route.decode_done is None:
+                self._fail(route, "error", f"worker {w.name} lost: {why}")
+
+    def tick(self, now: float) -> None:
+        """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
+        self._tick_encoded(now)
+        if now >= self._next_ping:
+            self._next_ping = now + self.config.heartbeat_s
+            for w in self.workers.values():
+                if not w.lost:
+                    self.hub.send(w.peer, Ping())
+        for w in list(self.workers.values()):
+            # a worker building its model answers nothing: startup has its own deadline
+            limit = self.config.lease_s if w.ready else self.config.ready_timeout_s
+            if not w.lost and now - w.last_seen > limit:
+                self._lose(w, f"silent for {now - w.last_seen:.1f}s" if w.ready else
+                           f"not ready within {limit:.0f}s of registering")
+        for route in self.routes:
+            if route.decode_done is not None and now >= route.t_grace:
+                self._maybe_finalize(route, force=True)
+            elif route.decode_done is None and now - route.t_submit > \
+                    self.config.request_timeout_s:
+                self._fail(route, "timeout", f"no result in {self.config.request_timeout_s}s")
+
+    def shutdown_complete(self) -> bool:
+        """After a shutdown: True (and ``Bye`` sent to its sender) once every live, ready
+        worker sent its final stats or the lease passed. One that never became ready
+        served nothing: still building, or a registration that never went further (a
+        hostile one, say), it would only hold the shutdown up for a lease."""
+        if self.shutdown_by is None:
+            return False
+        live = [w for w in self.workers.values() if w.ready and not w.lost]
+        waited = time.monotonic() - self.t_shutdown
+        if all(w.stats is not None for w in live) or waited > self.config.lease_s:
+            self.hub.send(self.shutdown_by, Bye({
+                w.name: {"role": w.role, **(w.stats or {})} for w in self.workers.values()},
+                metrics=self.metrics.snapshot()))
+            return True
+        return False
+
+
+def serve_router(address: str, config: ServeConfig, keys: Keys | None = None,
+                 metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
+    """Body of ``pdkv router``: serve until an operator asks for shutdown; with
+    ``metrics_port``, serve the deployment's metrics at ``http://host:port/metrics``."""
+    Router(address, config, keys, metrics_host, metrics_port).serve()
+    return 0

@@ -1,0 +1,138 @@
+"""The router's requests in flight: who asked, who serves, what each worker reported.
+
+A client's rid is a label: the router gives every submission its own id (``label#run-n``,
+unique across router restarts), which is what workers, transports and free logs see.
+Messages back to the client carry the label again. A client may not reuse a label while
+its request is still in flight (its aborts would be ambiguous); once it ended, the label
+is free, so a seeded workload runs again against the same deployment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+
+from common.control import Done, Prefilled
+from common.request import BadRequest
+from deploy.router.text_route import TextRoute
+
+MAX_LABEL = 256
+"""Longest client rid: the router's id (``label#run-n``) stays within what the KV
+transport carries (512)."""
+
+
+@dataclass
+class Route:
+    """One request in flight."""
+
+    rid: str
+    """The router's id of this submission (workers see it)."""
+    label: str
+    """The client's rid."""
+    client: bytes
+    decode: str
+    prefill: str
+    prompt_len: int
+    row_len: int
+    t_submit: float
+    decode_done: Done | None = None
+    prefill_info: Prefilled | None = None
+    t_grace: float = 0.0
+    t_kv_wall: float = 0.0
+    """Wall clock when the decode held all KV and the first token (0: not yet)."""
+    first_id: int | None = None
+    """The first token as relayed to the client (the prefill's or the decode's, whichever
+    came first; None: not yet)."""
+    aborted_by_client: bool = False
+    text: TextRoute | None = None
+    """A text request: its detokenizer and stop strings."""
+    cap: str = ""
+    """The KV capability only this request's decode and prefill get (docs/security.md)."""
+
+    def final(self) -> Done:
+        """The client's ``Done``: the decode's, with the prefill's figures and words (and,
+        for a text request, its text)."""
+        done, info = self.decode_done, self.prefill_info
+        if self.text is not None:
+            if self.text.stopped:  # the router stopped it: the decode saw an abort
+                done = dataclasses.replace(done, reason="stop", error="",
+                                           n=self.text.num_ids)
+            done = dataclasses.replace(done, text=self.text.text)
+        out = dataclasses.replace(done, rid=self.label, prompt_tokens=self.prompt_len)
+        if self.aborted_by_client and not done.ok:
+            out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
+        if info is None:
+            return out
+        # cached: prompt tokens a host tier held, on whichever side held more (the
+        # prefill's were not computed, the decode's not transferred)
+        out = dataclasses.replace(out, xfer_s=info.xfer_s, kv_bytes=info.kv_bytes,
+                                  cached_tokens=max(done.cached_tokens, info.cached_tokens))
+        if info.error and not done.ok:
+            # the prefill's words name the cause; the decode's only say the transfer ended
+            out = dataclasses.replace(out, error=info.error + (
+                f" (decode: {done.error})" if done.error else ""))
+        if info.t_finish_wall and self.t_kv_wall:
+            # exposed transfer: prefill's last chunk computed -> decode holds KV + token
+            out = dataclasses.replace(out, xfer_s=max(0.0, self.t_kv_wall
+                                                      - info.t_finish_wall))
+        return out
+
+
+def label_of(rid: str) -> str:
+    """The client's label of a router id (``label#run-n``): what logs and free logs name."""
+    return rid.rsplit("#", 1)[0]
+
+
+class RouteTable:
+    """Routes by the router's id and by (client, label)."""
+
+    def __init__(self) -> None:
+        self.run = secrets.token_hex(2)
+        """This router incarnation's tag in every id it gives."""
+        self._next = 0
+        self._by_rid: dict[str, Route] = {}
+        self._by_label: dict[tuple[bytes, str], str] = {}
+
+    def new_rid(self, client: bytes, label: str) -> str:
+        """An id for a new submission of ``label`` by ``client``.
+
+        Raises:
+            BadRequest: the label is empty, too long or not printable (it names the
+                request in every message, log line and free log), or the client's request
+                of that label is still in flight.
+        """
+        if not 0 < len(label) <= MAX_LABEL or not label.isprintable():
+            raise BadRequest(f"rid must be 1..{MAX_LABEL} printable characters, got "
+                             f"{len(label)}: {label[:40]!r}")
+        if (client, label) in self._by_label:
+            raise BadRequest(f"rid {label!r} is already in flight; wait for its done or "
+                             "abort it before reusing it")
+        self._next += 1
+        return f"{label}#{self.run}-{self._next}"
+
+    def add(self, route: Route) -> None:
+        self._by_rid[route.rid] = route
+        self._by_label[(route.client, route.label)] = route.rid
+
+    def get(self, rid: str) -> Route | None:
+        return self._by_rid.get(rid)
+
+    def of_client(self, client: bytes, label: str) -> Route | None:
+        rid = self._by_label.get((client, label))
+        return None if rid is None else self._by_rid[rid]
+
+    def pop(self, route: Route) -> bool:
+        """Forget ``route``; False when it was gone already (ended by another path)."""
+        if self._by_rid.get(route.rid) is not route:
+            return False
+        del self._by_rid[route.rid]
+        del self._by_label[(route.client, route.label)]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def __iter__(self):
+        """A snapshot: handlers may end routes while the caller iterates."""
+        return iter(list(self._by_rid.values()))
