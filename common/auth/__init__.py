@@ -16,6 +16,7 @@ from common.auth.planes import (
     check_bind,
     control_client,
     control_server,
+    handshake_check,
     kv_plane,
     new_kv_plane,
     principal,
@@ -23,5 +24,5 @@ from common.auth.planes import (
 
 __all__ = ["CONTROL_DOMAIN", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys", "KeysError",
            "PlaneAuth", "ServerGuard", "add_key", "check_bind", "control_client",
-           "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
-           "principal", "role_of"]
+           "control_server", "create_keys", "export_keys", "handshake_check", "kv_plane",
+           "new_kv_plane", "principal", "role_of"]
