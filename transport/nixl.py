@@ -71,6 +71,50 @@ def _quiet_logging() -> None:
         nixl_logger.setLevel(logging.WARNING)
 
 
+UCX_DEVICES = "UCX_NET_DEVICES"
+"""UCX's list of the network devices it may use (interfaces such as ``eth0``, RDMA ports
+such as ``mlx5_0:1``). Memory transports (shared memory, CUDA IPC) are not devices."""
+
+
+def restrict_ucx(env: dict[str, str] | None = None) -> str:
+    """Keep UCX to the interfaces the deployment names, before an agent creates its UCX
+    context (which reads the environment once).
+
+    UCX otherwise listens on every interface it finds and puts their addresses in the
+    agent's metadata, and its connections carry no pdkv authentication. So an unset
+    ``UCX_NET_DEVICES`` becomes ``lo``: NIXL between workers of this host only, as every
+    other pdkv socket without a named address. A deployment on several hosts names its
+    interfaces (Kubernetes: ``eth0`` in the worker pods; ``--cluster ray``: the node's
+    interface; by hand: ``UCX_NET_DEVICES=eth1`` or an RDMA port); ``all`` lets UCX take
+    every one. Returns the setting in force."""
+    env = os.environ if env is None else env
+    if not env.get(UCX_DEVICES):
+        env[UCX_DEVICES] = "lo"
+        logger.info("NIXL: UCX restricted to loopback (set %s to name the interfaces of a "
+                    "deployment on several hosts)", UCX_DEVICES)
+    return env[UCX_DEVICES]
+
+
+def interface_of(ip: str) -> str:
+    """The name of this host's IPv4 interface holding ``ip`` ('' when none does)."""
+    import fcntl
+    import socket
+    import struct
+
+    if ip.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if addr == ip:
+                return name
+    return ""
+
+
 def import_error() -> str:
     """Why NIXL cannot be used here ("" when it can)."""
     return _load()[1]
@@ -171,6 +215,7 @@ class Agent:
         if module is None:
             raise RuntimeError(f"NIXL unavailable: {why}")
         self.name = f"{node}/{uuid.uuid4().hex[:8]}"
+        restrict_ucx()
         config = module.nixl_agent_config(enable_prog_thread=False,
                                           enable_listen_thread=False, backends=["UCX"])
         self.agent = module.nixl_agent(self.name, config)

@@ -73,7 +73,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if tp.rank > 0:  # a follower: no router; the group's socket and its KV transport
         try:
             return run_follower(tp, name, args.device, args.log_dir, _rank_transfer,
-                                getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""))
+                                getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""),
+                                keys=_keys(args), identity=args.identity)
         except (KeyboardInterrupt, SystemExit) as exc:
             logger.info("%s/tp%d: stopped by signal (%s)", name, tp.rank, exc)
             return 0

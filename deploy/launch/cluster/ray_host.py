@@ -17,7 +17,8 @@ then starts the command again; the worker registers anew and serves.
 ``{ip}`` and ``{port}`` in the command line become the node's address and a free port
 there (``{port2}``: a second one, for a process that binds two), so addresses are
 advertised with the node's address: same node means shared memory between prefill and
-decode, different nodes ZMQ frames.
+decode, different nodes ZMQ frames. ``{lport}`` is a free loopback port (a
+tensor-parallel group's rendezvous: its ranks share the node).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class ProcHost:
         ip = ray.util.get_node_ip_address()
         port = _free_port(ip)
         port2 = next(p for p in iter(lambda: _free_port(ip), None) if p != port)
+        lport = _free_port("127.0.0.1")
         self.argv = [a.replace("{ip}", ip).replace("{port}", str(port))
-                     .replace("{port2}", str(port2)) for a in argv]
+                     .replace("{port2}", str(port2)).replace("{lport}", str(lport))
+                     for a in argv]
         self.node = {"ip": ip, "node_id": ctx.get_node_id()}
         self.log_path = log_path
         self.popen: subprocess.Popen | None = None
@@ -66,10 +69,15 @@ class ProcHost:
         for key, value in subs.items():
             self.argv = [a.replace(key, value) for a in self.argv]
         shim = [sys.executable, "-m", "deploy.launch.cluster.deathsig", str(os.getpid())]
+        from transport.nixl import UCX_DEVICES, interface_of  # torch: in the actor only
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not env.get(UCX_DEVICES):  # NIXL between nodes: the interface Ray reaches
+            env[UCX_DEVICES] = interface_of(self.node["ip"]) or "lo"
         with open(self.log_path, "ab") as log:  # no preexec_fn: see deathsig.py
             self.popen = subprocess.Popen(
                 [*shim, *self.argv], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                stdin=subprocess.DEVNULL, env=env)
         return self.info()
 
     def info(self) -> dict:

@@ -98,10 +98,13 @@ class RayCluster(Cluster):
     def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
         procs = super()._plan(num_prefill, num_decode)
         procs[0].argv[procs[0].argv.index("--bind") + 1] = "tcp://{ip}:{port}"
-        for p in procs:  # a group's rendezvous is on its rank 0's node (all ranks share it)
+        # A group's rendezvous is on its rank 0's node, which all its ranks share
+        # (STRICT_PACK), so it binds loopback: the group's connection authenticates
+        # nothing and no other host needs to reach it.
+        for p in procs:
             if "--tp-address" in p.argv:
                 p.argv[p.argv.index("--tp-address") + 1] = \
-                    TP_PLACEHOLDER if p.role == RANK else "tcp://{ip}:{port}"
+                    TP_PLACEHOLDER if p.role == RANK else "tcp://127.0.0.1:{lport}"
                 if "--kv-bind" in p.argv and p.role != RANK:  # rank 0 binds its KV too
                     p.argv[p.argv.index("--kv-bind") + 1] = "tcp://{ip}:{port2}"
         if self.metrics_port is not None:
