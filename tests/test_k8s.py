@@ -147,7 +147,7 @@ def test_workers_ask_for_a_gpu_each_and_the_pools_are_sized_from_its_memory():
     note = (K8S / "config.yaml").read_text()
     assert "2 MiB a page of\n# 16 tokens" in note
     pages = int((79.6 * 0.9 - 15 - 4) * (1 << 30) / page)
-    assert "about 26,800 pages" in note and 26_800 <= pages < 27_000
+    assert "about 27,000 pages" in note and 26_900 <= pages < 27_100
 
 
 def test_each_container_holds_only_its_own_identity_and_metrics_stay_inside():

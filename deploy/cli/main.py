@@ -54,6 +54,9 @@ def _add_model(sub) -> None:
     e.add_argument("--layers", type=int, metavar="N",
                    help="only the first N blocks (the built-in draft as its own checkpoint)")
     e.set_defaults(func=_run_model_export)
+    from deploy.cli.pages import add_parser as add_pages
+
+    add_pages(cmd)
 
 
 def _run_model_export(args: argparse.Namespace) -> int:
@@ -106,7 +109,9 @@ def _add_replay(sub) -> None:
                         "'pdkv[plot]')")
     p.add_argument("--request", metavar="RID",
                    help="with --plot: add a panel of request RID's pages (held, pinned, "
-                        "its frees by reason) in every log where it appears")
+                        "its frees by reason) in every log where it appears; RID is the id "
+                        "the client has (the API's cmpl-... id, pdkv run --output's rid) or "
+                        "the router's (RID#RUN-N, as logs name it)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: only when stderr is a terminal)")
     p.add_argument("--max-violations", type=int, default=50, metavar="N",

@@ -105,7 +105,7 @@ def serve_main(args: argparse.Namespace) -> int:
     The router runs in this process's event loop (``deploy.http.hosted``) unless
     ``--router-process`` asks for its own process (then the front door connects to it
     as ``pdkv frontend`` does)."""
-    from deploy.launch.config_args import config_from_args
+    from deploy.launch.config_args import check_weights, config_from_args
     from deploy.launch.launcher import Cluster, WorkerDied
     from deploy.launch.run import replay_all
 
@@ -113,6 +113,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.cluster == "ray":  # the front door runs as a Ray actor too
         return serve_on_ray(args)
     cfg = config_from_args(args)
+    check_weights(cfg)
     access = _access_or_explain(args)  # before launching: a setting refused fails at once
     sock = _bind_or_explain(args) if access is not None else None  # a busy port too
     if sock is None:
@@ -138,7 +139,7 @@ def serve_main(args: argparse.Namespace) -> int:
             where = "in this process" if hosted is not None else "in its own process"
             run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
                 f"pdkv serve: {layout} {cfg.served_name} ready; OpenAI API at {url}/v1; router "
-                f"{where} at {cluster.router_addr}", flush=True),
+                f"{where} at {cluster.router_addr}\n{_watch_line(cluster)}", flush=True),
                 keys=keys, identity="client", hosted=hosted, **_http_kwargs(args, access))
     except (WorkerDied, TimeoutError, KeysError) as exc:
         print(f"pdkv serve: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
@@ -151,6 +152,14 @@ def serve_main(args: argparse.Namespace) -> int:
         sock.close()
     _stop(cluster, hosted)
     return _report(cluster, replay_all(cluster.freelogs(), cluster.final_stats))
+
+
+def _watch_line(cluster) -> str:
+    """How to watch this deployment: ``pdkv top`` at its router, with the key directory
+    it runs with (made for this run unless --auth-keys named one; private to this user,
+    removed at exit)."""
+    keys = f" --auth-keys {cluster.keys_dir}" if cluster.keys_dir else ""
+    return f"pdkv serve: watch it with: pdkv top --router {cluster.router_addr}{keys}"
 
 
 def _stop(cluster, hosted: HostedRouter | None, timeout_s: float = 20.0) -> None:
