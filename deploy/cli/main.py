@@ -184,7 +184,9 @@ def _add_serve(sub) -> None:
                     "open streams with an error chunk, shuts everything down and replays "
                     "the free logs. See docs/http.md.",
         epilog="exit status: 0 clean shutdown and clean free logs; 1 a free-log violation; "
-               "2 a process died, did not start, or the port is taken.")
+               "2 a process died, did not start, the port is taken, or the front door may "
+               "not serve as asked (beyond loopback without an API key; a TLS file that "
+               "does not load).")
     add_deployment_flags(p)
     add_http_flags(p)
     p.add_argument("--router-process", action="store_true",
@@ -205,7 +207,9 @@ def _add_frontend(sub) -> None:
         description="Serve the OpenAI API over HTTP for a deployment started with pdkv "
                     "router/prefill/decode (several hosts; several front doors may share "
                     "one router). See docs/http.md.",
-        epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken.")
+        epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken, or it may not "
+               "serve as asked (beyond loopback without an API key; a TLS file that does "
+               "not load).")
     p.add_argument("--router", required=True, metavar="ADDR",
                    help="the router's address, e.g. tcp://router-host:5555")
     add_auth_flags(p, "client", "the deployment's key directory (the front door is a "
