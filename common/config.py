@@ -233,11 +233,6 @@ class ServeConfig:
                              "layers; use spec_k=0")
 
     @property
-    def served_name(self) -> str:
-        """The model's name to clients (banners, ``/v1/models``): ``served_name``."""
-        return served_name(self.to_dict())
-
-    @property
     def spec_kind(self) -> str:
         """How decode speculates: ``draft`` (draft checkpoint), ``ngram``, ``layers`` (a
         built-in's first layers) or empty (no speculation)."""
@@ -373,13 +368,6 @@ def check_draft(target: ModelConfig, draft: ModelConfig, target_path: str, draft
         if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():
             raise ValueError(f"draft_model_path={draft_path!r}: its tokenizer.json differs "
                              "from the target's; a draft must share the target's tokenizer")
-
-
-def served_name(fields: dict) -> str:
-    """The model's name to clients from config fields (a config as a dict, as the router's
-    status carries it): a checkpoint's directory name, else the built-in's name."""
-    path = str(fields.get("model_path") or "")
-    return Path(path).name if path else str(fields.get("model", ""))
 
 
 def resolve_model(value: str | None) -> dict:

@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
     usable = args.gpu_gib * GIB * (1 - args.spare)
     left = usable - args.workers * (weights + args.reserve_gib * GIB)
     pages = max(0, int(left / args.workers // page))
-    print(f"model     {cfg.served_name} ({layout.dtype}, {layout.total_layers} layers of "
+    print(f"model     {cfg.model_name} ({layout.dtype}, {layout.total_layers} layers of "
           f"{layout.num_kv_heads} KV heads x {layout.head_dim})")
     print(f"page      {args.page_size} tokens, {page / (1 << 20):.2f} MiB")
     print(f"weights   {weights / GIB:.2f} GiB per worker (its safetensors, in {layout.dtype})")

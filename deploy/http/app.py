@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common import trace
-from common.config import served_name
 from common.metrics import render_snapshot
 from deploy.http import errors
 from deploy.http.asgi import EventStream, until_disconnect
@@ -75,7 +74,7 @@ class FrontDoor:
         return view
 
     def served_model(self, view: RouterView) -> str:
-        return self.model_name or served_name(view.config)
+        return self.model_name or str(view.config.get("model", ""))
 
     def limits(self, view: RouterView) -> Limits:
         key = id(view.config)
