@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common import trace
+from common.config import ServeConfig
 from common.metrics import render_snapshot
 from deploy.http import errors
 from deploy.http.asgi import EventStream, until_disconnect
@@ -74,7 +75,7 @@ class FrontDoor:
         return view
 
     def served_model(self, view: RouterView) -> str:
-        return self.model_name or str(view.config.get("model", ""))
+        return self.model_name or ServeConfig.from_dict(view.config).model_name
 
     def limits(self, view: RouterView) -> Limits:
         key = id(view.config)

@@ -138,7 +138,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if not sigs.got:
             where = "in this process" if hosted is not None else "in its own process"
             run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
-                f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1; router "
+                f"pdkv serve: {layout} {cfg.model_name} ready; OpenAI API at {url}/v1; router "
                 f"{where} at {cluster.router_addr}\n{_watch_line(cluster)}", flush=True),
                 keys=keys, identity="client", hosted=hosted, **_http_kwargs(args, access))
     except (WorkerDied, TimeoutError, KeysError) as exc:
@@ -224,7 +224,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
-        print(f"pdkv serve: {args.prefill}P{args.decode}D {cfg.model} ready on Ray; OpenAI "
+        print(f"pdkv serve: {args.prefill}P{args.decode}D {cfg.model_name} ready on Ray; OpenAI "
               f"API at {cluster.frontend_url}/v1", flush=True)
         while not stop.wait(1.0):
             cluster.check()
