@@ -46,8 +46,12 @@ def test_unnamed_interfaces_mean_loopback_and_a_named_one_is_kept():
     assert nixl.restrict_ucx(env) == "lo" and env == {"UCX_NET_DEVICES": "lo"}
     env = {"UCX_NET_DEVICES": "mlx5_0:1"}
     assert nixl.restrict_ucx(env) == "mlx5_0:1"
-    assert nixl.interface_of("127.0.0.1") == "lo"
-    assert nixl.interface_of("203.0.113.77") == ""  # no interface of ours holds it
+    from deploy.launch.cluster.ray_host import interface_of  # what Ray's actors name
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") == ""  # no interface of ours holds it
+    for ip in _external_ipv4():
+        assert interface_of(ip) not in ("", "lo"), ip
 
 
 def _agent_metadata(devices: str | None) -> dict:

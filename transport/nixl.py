@@ -114,26 +114,6 @@ def restrict_ucx(env: dict[str, str] | None = None) -> str:
     return env[UCX_DEVICES]
 
 
-def interface_of(ip: str) -> str:
-    """The name of this host's IPv4 interface holding ``ip`` ('' when none does)."""
-    import fcntl
-    import socket
-    import struct
-
-    if ip.startswith("127."):
-        return "lo"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])
-            except OSError:  # an interface without an IPv4 address
-                continue
-            if addr == ip:
-                return name
-    return ""
-
-
 def import_error() -> str:
     """Why NIXL cannot be used here ("" when it can)."""
     return _load()[1]

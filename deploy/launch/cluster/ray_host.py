@@ -23,9 +23,11 @@ tensor-parallel group's rendezvous: its ranks share the node).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -69,11 +71,10 @@ class ProcHost:
         for key, value in subs.items():
             self.argv = [a.replace(key, value) for a in self.argv]
         shim = [sys.executable, "-m", "deploy.launch.cluster.deathsig", str(os.getpid())]
-        from transport.nixl import UCX_DEVICES, interface_of  # torch: in the actor only
-
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if not env.get(UCX_DEVICES):  # NIXL between nodes: the interface Ray reaches
-            env[UCX_DEVICES] = interface_of(self.node["ip"]) or "lo"
+        if not env.get("UCX_NET_DEVICES"):  # NIXL between nodes: the interface Ray reaches
+            # (unset, transport.nixl holds UCX to loopback)
+            env["UCX_NET_DEVICES"] = interface_of(self.node["ip"]) or "lo"
         with open(self.log_path, "ab") as log:  # no preexec_fn: see deathsig.py
             self.popen = subprocess.Popen(
                 [*shim, *self.argv], stdout=log, stderr=subprocess.STDOUT,
@@ -99,6 +100,25 @@ class ProcHost:
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(sig)
+
+
+def interface_of(ip: str) -> str:
+    """The name of this host's IPv4 interface holding ``ip`` ('' when none does)."""
+    if ip.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if addr == ip:
+                return name
+    return ""
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def _free_port(ip: str) -> int:
