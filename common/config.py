@@ -251,6 +251,12 @@ class ServeConfig:
             return bool(self.draft_model_path or self.model_config().num_draft_layers)
         return self.spec_kind in ("draft", "layers")
 
+    @property
+    def model_name(self) -> str:
+        """The served model's name: the checkpoint directory's name, else the built-in
+        model's (``model`` stays ``tiny`` when ``model_path`` is set)."""
+        return Path(self.model_path).name if self.model_path else self.model
+
     def model_config(self) -> ModelConfig:
         """The target model's config with ``dtype`` applied (from ``model_path``'s
         config.json, or the built-in ``model``)."""

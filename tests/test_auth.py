@@ -103,8 +103,8 @@ def test_create_writes_private_secrets_and_a_deployment_id(keydir):
         assert b"secret-key" not in (keydir / f"{name}.key").read_bytes()
     k = keys.Keys(keydir)
     assert k.deployment_id == meta["deployment_id"]
-    assert k.names() == ["client", "client-alice", "operator", "router", "worker"]
-    assert len(set(k.principals())) == 5   # five distinct public keys
+    assert k.names() == ["client", "client-alice", "operator", "probe", "router", "worker"]
+    assert len(set(k.principals())) == 6   # six distinct public keys
 
 
 def test_two_deployments_never_share_ids_or_keys(tmp_path):
@@ -338,8 +338,8 @@ def test_pdkv_keys_create_add_export_show(tmp_path, capsys):
     assert main(["keys", "show", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["deployment_id"] == keys.Keys(d).deployment_id
-    assert shown["identities"] == {"client-web": False, "operator": False, "router": False,
-                                   "worker": False, "worker-host3": True}
+    assert shown["identities"] == {"client-web": False, "operator": False, "probe": False,
+                                   "router": False, "worker": False, "worker-host3": True}
     assert main(["keys", "create", str(d)]) == 2    # never overwritten
     assert "not empty" in capsys.readouterr().err
 

@@ -370,13 +370,15 @@ def test_bench_serve_drives_an_endpoint_over_streaming_http(url):
 
 
 def test_metrics_are_scraped_through_the_front_door(http, url, model):
-    """GET /metrics (no API key, like /health) is the router's view of the deployment in
-    the Prometheus text format: every worker's families, labelled by worker; the tokens a
-    request generated show in the decode's counter."""
+    """GET /metrics (behind the API key, which a scraper sends as a bearer token) is the
+    router's view of the deployment in the Prometheus text format: every worker's
+    families, labelled by worker; the tokens a request generated show in the decode's
+    counter."""
     ids = prompt(11, seed=8)
+    assert httpx.get(f"{url}/metrics").status_code == 401
 
     def generated() -> float:
-        r = httpx.get(f"{url}/metrics")
+        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         samples = parse(r.text)
         workers = {labels["worker"] for labels, _ in samples["pdkv_kv_pages"]}

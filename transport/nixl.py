@@ -41,18 +41,37 @@ at 1k tokens, pdkv / raw NIXL (whose decode polls every 0.1 ms): 0.63-0.88x with
 slices, 0.80-1.02x with 0.2 ms, 0.94-1.00x with 0.1 ms (docs/benchmarks.md). An idle
 agent's slices cost 16% of a core at 0.1 ms (10% at 0.2 ms), only while a write is in
 flight."""
-_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' import names, newest first
+_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' import names
+
+
+def nixl_wheel(cuda: str | None = None) -> str:
+    """The NIXL wheel (and pdkv extra) built for this torch's CUDA: ``nixl-cu13`` for
+    CUDA 13, ``nixl-cu12`` for CUDA 12 and for a CPU-only torch (it imports without a
+    GPU, for DRAM pools). ``cuda``: a version such as "13.0" (default: torch's own)."""
+    cuda = torch.version.cuda if cuda is None else cuda
+    major = (cuda or "12").split(".", 1)[0]
+    return f"nixl-cu{major}"
+
+
+def _module_order() -> tuple[str, ...]:
+    """The import names to try, the wheel matching torch's CUDA first."""
+    mine = nixl_wheel().replace("-", "_")
+    return (mine, *(m for m in _MODULES if m != mine))
 
 
 @cache
 def _load() -> tuple[object | None, str]:
     """``(nixl API module, "")`` or ``(None, why it cannot be imported)``."""
     errors = []
-    for name in _MODULES:
+    for name in _module_order():
         try:
             module = importlib.import_module(name)
             if hasattr(module, "nixl_agent"):
                 _quiet_logging()
+                if name != nixl_wheel().replace("-", "_") and torch.version.cuda:
+                    logger.warning("NIXL: %s is installed, this torch is built for CUDA %s: "
+                                   "install pip install 'pdkv[%s]'", name,
+                                   torch.version.cuda, nixl_wheel())
                 return module, ""
             errors.append(f"{name}: no nixl_agent")
         except Exception as exc:  # a broken wheel raises more than ImportError
@@ -71,6 +90,30 @@ def _quiet_logging() -> None:
         nixl_logger.setLevel(logging.WARNING)
 
 
+UCX_DEVICES = "UCX_NET_DEVICES"
+"""UCX's list of the network devices it may use (interfaces such as ``eth0``, RDMA ports
+such as ``mlx5_0:1``). Memory transports (shared memory, CUDA IPC) are not devices."""
+
+
+def restrict_ucx(env: dict[str, str] | None = None) -> str:
+    """Keep UCX to the interfaces the deployment names, before an agent creates its UCX
+    context (which reads the environment once).
+
+    UCX otherwise listens on every interface it finds and puts their addresses in the
+    agent's metadata, and its connections carry no pdkv authentication. So an unset
+    ``UCX_NET_DEVICES`` becomes ``lo``: NIXL between workers of this host only, as every
+    other pdkv socket without a named address. A deployment on several hosts names its
+    interfaces (Kubernetes: ``eth0`` in the worker pods; ``--cluster ray``: the node's
+    interface; by hand: ``UCX_NET_DEVICES=eth1`` or an RDMA port); ``all`` lets UCX take
+    every one. Returns the setting in force."""
+    env = os.environ if env is None else env
+    if not env.get(UCX_DEVICES):
+        env[UCX_DEVICES] = "lo"
+        logger.info("NIXL: UCX restricted to loopback (set %s to name the interfaces of a "
+                    "deployment on several hosts)", UCX_DEVICES)
+    return env[UCX_DEVICES]
+
+
 def import_error() -> str:
     """Why NIXL cannot be used here ("" when it can)."""
     return _load()[1]
@@ -80,8 +123,9 @@ def require(node: str) -> None:
     """Raise ``RuntimeError`` with an actionable message when NIXL is missing."""
     why = import_error()
     if why:
-        raise RuntimeError(f"{node}: kv_transport=nixl needs NIXL; install it with "
-                           f"pip install 'pdkv[nixl]' (import failed: {why})")
+        raise RuntimeError(f"{node}: kv_transport=nixl needs NIXL; install the wheel for "
+                           f"this torch's CUDA ({torch.version.cuda or 'none: CPU'}) with "
+                           f"pip install 'pdkv[{nixl_wheel()}]' (import failed: {why})")
 
 
 @dataclass(frozen=True)
@@ -171,6 +215,7 @@ class Agent:
         if module is None:
             raise RuntimeError(f"NIXL unavailable: {why}")
         self.name = f"{node}/{uuid.uuid4().hex[:8]}"
+        restrict_ucx()
         config = module.nixl_agent_config(enable_prog_thread=False,
                                           enable_listen_thread=False, backends=["UCX"])
         self.agent = module.nixl_agent(self.name, config)

@@ -2,6 +2,7 @@
 and CURVE/PLAIN authentication of each plane, with the loopback rule for sockets that have
 none (planes.py)."""
 
+from common.auth.handoff import SecretOffer, fetch_secret
 from common.auth.keys import Keys, KeysError, role_of
 from common.auth.keys import add as add_key
 from common.auth.keys import create as create_keys
@@ -16,12 +17,13 @@ from common.auth.planes import (
     check_bind,
     control_client,
     control_server,
+    handshake_check,
     kv_plane,
     new_kv_plane,
     principal,
 )
 
 __all__ = ["CONTROL_DOMAIN", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys", "KeysError",
-           "PlaneAuth", "ServerGuard", "add_key", "check_bind", "control_client",
-           "control_server", "create_keys", "export_keys", "kv_plane", "new_kv_plane",
-           "principal", "role_of"]
+           "PlaneAuth", "SecretOffer", "ServerGuard", "add_key", "check_bind",
+           "control_client", "control_server", "create_keys", "export_keys", "fetch_secret",
+           "handshake_check", "kv_plane", "new_kv_plane", "principal", "role_of"]

@@ -9,9 +9,10 @@
       worker.key  worker.key_secret
       operator.key  operator.key_secret
       client.key  client.key_secret  (client-NAME.key ... for more clients)
+      probe.key  probe.key_secret    (readiness checks: may only ask the router's status)
 
-An identity's role is its name up to the first ``-``: ``router``, ``worker``, ``client``
-or ``operator`` (``client-alice`` is a client, ``worker-host3`` a worker). The router
+An identity's role is its name up to the first ``-``: ``router``, ``worker``, ``client``,
+``operator`` or ``probe`` (``client-alice`` is a client, ``worker-host3`` a worker). The router
 accepts exactly the public keys it finds here and knows each peer by its identity name
 (ZAP's User-Id). A host needs ``deployment.json``, the public key of the router and the
 key pair of the identity it runs as (``pdkv keys export``); nothing else. Key pairs are
@@ -35,8 +36,8 @@ import zmq.auth
 
 KEYS_FORMAT = "pdkv-keys"
 KEYS_VERSION = 1
-ROLES = ("router", "worker", "client", "operator")
-_NAME = re.compile(r"^(router|worker|client|operator)(-[A-Za-z0-9_.]{1,64})?$")
+ROLES = ("router", "worker", "client", "operator", "probe")
+_NAME = re.compile(r"^(router|worker|client|operator|probe)(-[A-Za-z0-9_.]{1,64})?$")
 
 
 class KeysError(RuntimeError):
@@ -76,7 +77,7 @@ def create(directory: str | Path, clients: list[str] | None = None) -> str:
     (path / "deployment.json").write_text(json.dumps({
         "format": KEYS_FORMAT, "version": KEYS_VERSION, "deployment_id": deployment_id,
         "created_unix": int(time.time())}) + "\n")
-    for name in ("router", "worker", "operator", *(clients or ["client"])):
+    for name in ("router", "worker", "operator", "probe", *(clients or ["client"])):
         add(path, name)
     return deployment_id
 

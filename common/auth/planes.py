@@ -28,6 +28,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from common.auth.keys import Keys
 
@@ -273,6 +275,56 @@ class Zap:
                 return
             del self._by_ctx[id(self.ctx)]
         self.auth.stop()
+
+
+# -- why a server said nothing ----------------------------------------------------------
+def handshake_check(auth: PlaneAuth, address: str, timeout_s: float = 3.0
+                    ) -> tuple[str, str]:
+    """Connect to a server of ``auth``'s plane once and say how the handshake ended:
+    ``(outcome, sentence)`` with outcome ``ok``, ``refused`` (our keys refused, or keys
+    missing on one side), ``stalled`` (connected, no handshake) or ``absent`` (nothing
+    accepts connections there). A refused handshake is silent to the sender of a message
+    (libzmq just drops the connection), so a client that heard nothing asks this to tell
+    "the server refused us" from "no server"."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    mon = sock.get_monitor_socket()
+    try:
+        auth.connect(sock, address)
+        return _handshake_outcome(mon, auth, address, time.monotonic() + timeout_s)
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+def _handshake_outcome(mon: zmq.Socket, auth: PlaneAuth, address: str,
+                       deadline: float) -> tuple[str, str]:
+    connected = False
+    while (left := deadline - time.monotonic()) > 0:
+        if not mon.poll(int(left * 1000) + 1):
+            break
+        event = zmq.Event(recv_monitor_message(mon)["event"])
+        if event == zmq.Event.HANDSHAKE_SUCCEEDED:
+            return "ok", f"{address} accepted our credentials"
+        connected |= event == zmq.Event.CONNECTED
+        if event == zmq.Event.HANDSHAKE_FAILED_AUTH:
+            return "refused", (f"{address} refused our key: its key directory has no "
+                               "identity with our public key (another deployment's keys, "
+                               "or a revoked identity)")
+        if event.name.startswith("HANDSHAKE_FAILED"):
+            if not auth.secured:
+                return "refused", (f"{address} requires authentication and we have no "
+                                   "keys: give --auth-keys DIR (or $PDKV_AUTH_KEYS) with "
+                                   "an identity it admits")
+            return "refused", (f"the handshake with {address} failed ({event.name}): it "
+                               "runs without keys, or its key is not the one our key "
+                               "directory names")
+    if connected:
+        return "stalled", f"{address} accepted the connection but never finished the handshake"
+    return "absent", f"nothing accepts connections at {address}"
 
 
 # -- where a socket may bind ------------------------------------------------------------

@@ -116,7 +116,7 @@ class _Builder:
 
     # -- page transitions --------------------------------------------------------------
     def _alloc(self, ps: _PoolState, pages, ev) -> bool:
-        mine = ev.get("owner") == self.rid
+        mine = self._is_tracked(ev.get("owner"))
         for p in pages:
             if ps.state[p] == FREE:
                 ps.state[p] = OWNED
@@ -161,16 +161,24 @@ class _Builder:
         return bool(ps.mine) and not ps.mine.isdisjoint(pages)
 
     def _handoff(self, ps: _PoolState, pages, ev) -> bool:
-        if ev.get("to") == self.rid:
+        if self._is_tracked(ev.get("to")):
             ps.mine.update(pages)
             return True
         return self._drop_mine(ps, pages, ev)
 
     def _drop_mine(self, ps: _PoolState, pages, ev) -> bool:
-        if ev.get("owner") != self.rid:
+        if not self._is_tracked(ev.get("owner")):
             return False
         ps.mine.difference_update(pages)
         return True
+
+    def _is_tracked(self, owner) -> bool:
+        """``owner`` is the tracked request: its router id (``LABEL#RUN-N``, what logs
+        record), or any submission of the label its client knows (the front door's
+        ``cmpl-...`` id, ``pdkv run --output``'s rid)."""
+        if self.rid is None or not isinstance(owner, str):
+            return False
+        return owner == self.rid or owner.rsplit("#", 1)[0] == self.rid
 
     # -- samples ------------------------------------------------------------------------
     def _track(self, ps: _PoolState, t_s: float, op: str, n: int, ev: dict) -> None:
@@ -178,7 +186,8 @@ class _Builder:
         tr.t_s.append(t_s)
         tr.held.append(sum(len(s.mine) for s in self.pools.values()))
         tr.pinned.append(sum(1 for s in self.pools.values() for p in s.mine if s.pins[p]))
-        if op in ("alloc", "free", "handoff") and self.rid in (ev.get("owner"), ev.get("to")):
+        if op in ("alloc", "free", "handoff") and (self._is_tracked(ev.get("owner"))
+                                                   or self._is_tracked(ev.get("to"))):
             why = str(ev.get("reason", "")) if op == "free" else str(ev.get("to", ""))
             tr.events.append((t_s, f"{ev.get('pool')}:{op}", n, why if op != "alloc" else ""))
 

@@ -11,6 +11,7 @@ from common.model.tokenizer import Tokenizer
 # the modules that import torch: read on first use (common/lazy.py)
 __getattr__ = lazy_names(__name__, {
     "checkpoint_tensors": "common.model.checkpoint", "write_checkpoint": "common.model.checkpoint",
+    "weight_files": "common.model.checkpoint",
     "export_builtin": "common.model.export",
     "Model": "common.model.model", "load_weights": "common.model.model",
     "generate_greedy": "common.model.reference",
@@ -23,4 +24,4 @@ __all__ = ["ARCHITECTURES", "CONFIGS", "BatchItem", "Detokenizer", "Model", "Mod
            "ModelRunner", "StopStrings", "Tokenizer", "UnsupportedModel", "checkpoint_tensors",
            "export_builtin", "generate_greedy", "get_config", "load_config", "load_weights",
            "sample", "seeded_tensors", "shard_config", "TpModel",
-           "write_builtin_tokenizer", "write_checkpoint"]
+           "weight_files", "write_builtin_tokenizer", "write_checkpoint"]

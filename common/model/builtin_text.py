@@ -9,6 +9,7 @@ Model ids past the tokenizer's vocabulary decode to nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from functools import lru_cache
@@ -41,7 +42,16 @@ def free_kv_row(kv, ranges): return [(0, 16), (16, 32)]  # numbers 0123456789
 
 @lru_cache(maxsize=8)
 def builtin_tokenizer_json(vocab_size: int) -> str:
-    """``tokenizer.json`` text of the built-in tokenizer with at most ``vocab_size`` ids."""
+    """``tokenizer.json`` text of the built-in tokenizer with exactly ``vocab_size`` ids.
+
+    The embedded text trains about 600 tokens; a larger vocabulary (``small``'s 4096) is
+    filled with word pieces that no merge produces, so that encoding is what training
+    made and every id a model samples still decodes to visible text (an id past the
+    tokenizer would decode to nothing: a random model's output would be mostly empty)."""
+    return _pad_vocab(_trained_json(vocab_size), vocab_size)
+
+
+def _trained_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -54,6 +64,30 @@ def builtin_tokenizer_json(vocab_size: int) -> str:
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
         special_tokens=[(bos, tok.token_to_id(bos))])
     return tok.to_str()
+
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+_NUCLEI = ("a", "e", "i", "o", "u")
+
+
+def _pad_vocab(text: str, vocab_size: int) -> str:
+    """``text``'s tokenizer with its BPE vocabulary filled up to ``vocab_size`` ids by
+    made-up words (a space, then consonant-vowel syllables: " bako", " melu"): pieces
+    without merges, so they decode but never come out of encoding."""
+    data = json.loads(text)
+    vocab: dict[str, int] = data["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    next_id = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))]) + 1
+    syllables = [o + n for o in _ONSETS for n in _NUCLEI]
+    words = ("\u0120" + "".join(w) for n in (1, 2, 3)  # \u0120: the byte-level space
+             for w in itertools.product(syllables, repeat=n))
+    for word in words:
+        if next_id >= vocab_size:
+            break
+        if word not in taken:
+            vocab[word] = next_id
+            next_id += 1
+    return json.dumps(data, ensure_ascii=False)
 
 
 def write_builtin_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:

@@ -103,6 +103,7 @@ class WorkerBase(ABC):
         self.link: ControlLink | None = router if isinstance(router, ControlLink) else None
         self.register_timeout_s = register_timeout_s
         self.deployment = keys.deployment_id if keys else ""
+        self.keys, self.identity = keys, identity
         self.control_auth = control_client(keys, identity)
         """How this worker's link authenticates to the router (raises ``KeysError`` now,
         before any I/O, when the key directory lacks ``identity``)."""
@@ -194,7 +195,8 @@ class WorkerBase(ABC):
         model, cache, runner = leader_cache(self.tp, self.role, self.name, self.config,
                                             num_pages, self.device, self.log_dir,
                                             self.config.max_rows, shared_memory=shared_memory,
-                                            kv_auth=kv_auth)
+                                            kv_auth=kv_auth, keys=self.keys,
+                                            identity=self.identity)
         self.cache, self.lockstep = cache, cache.lockstep
         self.counting.watch(self.config, cache)
         return model, cache, runner

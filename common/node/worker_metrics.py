@@ -115,7 +115,7 @@ def build_info(config: ServeConfig, cache: KvCache) -> dict[str, str]:
     except PackageNotFoundError:
         ver = "unknown"
     lay = cache.layout
-    return {"version": ver, "model": config.model, "dtype": str(lay.dtype),
+    return {"version": ver, "model": config.model_name, "dtype": str(lay.dtype),
             "page_size": str(cache.page_size), "transport": config.transport,
             "spec_k": str(config.spec_k),
             "layout": f"{lay.num_layers}+{lay.num_draft_layers}L/{lay.num_kv_heads}h/"

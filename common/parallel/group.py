@@ -80,10 +80,13 @@ class TpGroup:
         url = urlparse(address)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"tp group address {address!r}: expected tcp://host:port")
-        if url.hostname.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
-            # gloo otherwise binds the address the hostname resolves to, which may be an
-            # external interface even when every rank is on this machine
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if url.hostname.startswith("127."):
+            # gloo and NCCL's bootstrap otherwise bind the address the hostname resolves
+            # to (NCCL: the first non-loopback interface), an external interface even
+            # when every rank is on this machine; the group's sockets authenticate
+            # nothing, so they stay where only this host reaches them
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         backend = "nccl" if group.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
         try:

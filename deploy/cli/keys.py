@@ -14,6 +14,7 @@ Copy to each host only what it needs (pdkv keys export {dir} --for NAME OUT):
   router host   --for router     (with every public key: it admits exactly those)
   worker hosts  --for worker     (or one worker-HOST identity per host: pdkv keys add)
   clients       --for client     (operators: --for operator; only operators may shut down)
+  readiness     --for probe      (pdkv probe: may only read the router's status)
 Then start every process with --auth-keys DIR."""
 
 
@@ -23,13 +24,14 @@ def add_parser(sub) -> None:
         description="Every pdkv socket authenticates its peers with ZMQ CURVE keys. A "
                     "deployment's keys live in one directory (0700, secrets 0600) with a "
                     "deployment id that every process checks. An identity's role is its "
-                    "name up to the first '-': router, worker, client or operator. "
+                    "name up to the first '-': router, worker, client, operator or probe. "
                     "See docs/security.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=main)
     keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     c = keys.add_parser("create", help="a new key directory (router, worker, operator, "
-                                       "client identities and a fresh deployment id)")
+                                       "probe, client identities and a fresh deployment "
+                                       "id)")
     c.add_argument("dir", metavar="DIR", help="directory to create (must be new or empty)")
     c.add_argument("--client", action="append", metavar="NAME", dest="clients",
                    help="client identities to make instead of the one 'client' "

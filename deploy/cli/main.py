@@ -54,6 +54,9 @@ def _add_model(sub) -> None:
     e.add_argument("--layers", type=int, metavar="N",
                    help="only the first N blocks (the built-in draft as its own checkpoint)")
     e.set_defaults(func=_run_model_export)
+    from deploy.cli.pages import add_parser as add_pages
+
+    add_pages(cmd)
 
 
 def _run_model_export(args: argparse.Namespace) -> int:
@@ -106,7 +109,9 @@ def _add_replay(sub) -> None:
                         "'pdkv[plot]')")
     p.add_argument("--request", metavar="RID",
                    help="with --plot: add a panel of request RID's pages (held, pinned, "
-                        "its frees by reason) in every log where it appears")
+                        "its frees by reason) in every log where it appears; RID is the id "
+                        "the client has (the API's cmpl-... id, pdkv run --output's rid) or "
+                        "the router's (RID#RUN-N, as logs name it)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: only when stderr is a terminal)")
     p.add_argument("--max-violations", type=int, default=50, metavar="N",
@@ -179,7 +184,9 @@ def _add_serve(sub) -> None:
                     "open streams with an error chunk, shuts everything down and replays "
                     "the free logs. See docs/http.md.",
         epilog="exit status: 0 clean shutdown and clean free logs; 1 a free-log violation; "
-               "2 a process died, did not start, or the port is taken.")
+               "2 a process died, did not start, the port is taken, or the front door may "
+               "not serve as asked (beyond loopback without an API key; a TLS file that "
+               "does not load).")
     add_deployment_flags(p)
     add_http_flags(p)
     p.add_argument("--router-process", action="store_true",
@@ -200,7 +207,9 @@ def _add_frontend(sub) -> None:
         description="Serve the OpenAI API over HTTP for a deployment started with pdkv "
                     "router/prefill/decode (several hosts; several front doors may share "
                     "one router). See docs/http.md.",
-        epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken.")
+        epilog="exit status: 0 after SIGINT/SIGTERM; 2 the port is taken, or it may not "
+               "serve as asked (beyond loopback without an API key; a TLS file that does "
+               "not load).")
     p.add_argument("--router", required=True, metavar="ADDR",
                    help="the router's address, e.g. tcp://router-host:5555")
     add_auth_flags(p, "client", "the deployment's key directory (the front door is a "

@@ -44,9 +44,11 @@ def render(v: TopView) -> Group:
 
 def _header(v: TopView) -> Text:
     up = sum(1 for w in v.workers if w.up)
-    t = Text.assemble(("pdkv top", "bold"), f"  {v.source}  ",
-                      (f"{up}/{len(v.workers)} workers up", "bold green" if up == len(
-                          v.workers) else "bold red"),
+    # a picture the source no longer confirms says nothing about who is up now
+    state = ("NOT ANSWERING: workers unknown, last picture below", "bold red") if v.error \
+        else (f"{up}/{len(v.workers)} workers up",
+              "bold green" if up == len(v.workers) else "bold red")
+    t = Text.assemble(("pdkv top", "bold"), f"  {v.source}  ", state,
                       f"  in flight {v.in_flight:.0f}",
                       f"  TTFT p50 {_secs(v.ttft_p50)} p99 {_secs(v.ttft_p99)}",
                       f"  {_num(v.tokens_per_s)} tok/s")
@@ -65,7 +67,9 @@ def _workers_table(v: TopView) -> Table:
                          ("KV MB/s", "right"), ("freed/s", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
     for w in v.workers:
-        table.add_row(w.name, w.role, Text("up", "green") if w.up else Text("LOST", "bold red"),
+        up = Text("?", "bold red") if v.error else Text("up", "green") if w.up \
+            else Text("LOST", "bold red")
+        table.add_row(w.name, w.role, up,
                       _bar(w), *(_num(w.device.get(s, 0.0)) for s in
                                  ("owned", "pinned", "pending", "free")),
                       _host(w), _num(w.running),

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common import trace
+from common.config import ServeConfig
 from common.metrics import render_snapshot
 from deploy.http import errors
 from deploy.http.asgi import EventStream, until_disconnect
@@ -74,7 +75,7 @@ class FrontDoor:
         return view
 
     def served_model(self, view: RouterView) -> str:
-        return self.model_name or str(view.config.get("model", ""))
+        return self.model_name or ServeConfig.from_dict(view.config).model_name
 
     def limits(self, view: RouterView) -> Limits:
         key = id(view.config)
@@ -252,10 +253,13 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        # Like /health, outside the API key: scrapers carry no OpenAI key. The router
-        # gathers every worker's report, so one scrape here covers the deployment.
+        # Behind the API key when there is one (a scraper sends it as a bearer token):
+        # the counters name workers, models and load, which is no one else's business.
+        # The router gathers every worker's report, so one scrape covers the deployment.
+        d = door(request)
+        d.check_key(request)
         try:
-            data = await door(request).bridge.metrics()
+            data = await d.bridge.metrics()
         except RouterDown as exc:
             raise ApiError(503, f"no metrics: {exc}") from None
         body, content_type = render_snapshot(data, request.headers.get("accept"))

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-_URL = re.compile(r"(http://[0-9.]+:[0-9]+)/v1")
+_URL = re.compile(r"(https?://[0-9.]+:[0-9]+)/v1")
 
 
 class ServerProcess:

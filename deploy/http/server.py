@@ -23,12 +23,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from common.auth import Keys
+from deploy.http.access import Access, is_loopback
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
 from deploy.http.hosted import HostedRouter
 from deploy.http.lane import FastLane
 
 logger = logging.getLogger(__name__)
+OPEN = Access()
+"""No API key, plain HTTP: what a loopback front door may be."""
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -43,9 +46,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class _Server(uvicorn.Server):
@@ -73,15 +76,21 @@ class _Server(uvicorn.Server):
 
 
 def run_frontend(router: str, sock: socket.socket, *, model_name: str = "",
-                 api_key: str = "", max_waiting: int = 256, log_level: str = "warning",
-                 on_ready: Callable[[str], None] | None = None,
+                 access: Access = OPEN, max_waiting: int = 256,
+                 log_level: str = "warning", on_ready: Callable[[str], None] | None = None,
                  router_timeout_s: float = 10.0, keys: Keys | None = None,
                  identity: str = "client", hosted: HostedRouter | None = None) -> int | None:
     """Serve HTTP on ``sock`` in front of ``router`` until a signal; returns the signal
     number that stopped it (None when it stopped for another reason). With ``keys``
     the connection to the router authenticates as ``identity`` (docs/security.md).
     With ``hosted`` the router runs in the server's own loop (``deploy.http.hosted``)
-    and the front door calls it instead of connecting to ``router``."""
+    and the front door calls it instead of connecting to ``router``. ``access``: the
+    API key that /v1/* and /metrics require, and the TLS files (``deploy.http.access``)."""
+    api_key = access.api_key
+    if api_key and not access.tls and not is_loopback(sock.getsockname()[0]):
+        logger.warning("http: the API key travels in the clear to %s: give --ssl-certfile/"
+                       "--ssl-keyfile, or end TLS in front of the front door",
+                       url_of(sock))
 
     def door() -> FrontDoor:
         if hosted is not None:
@@ -99,8 +108,10 @@ def run_frontend(router: str, sock: socket.socket, *, model_name: str = "",
     # no "server" header: less work per request on the path every token waits behind
     config = uvicorn.Config(FastLane(app), log_level=log_level, access_log=False,
                             proxy_headers=False, server_header=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
-    url = url_of(sock)
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            ssl_certfile=access.ssl_certfile or None,
+                            ssl_keyfile=access.ssl_keyfile or None)
+    url = url_of(sock, access.scheme)
     server = _Server(config, app, lambda: on_ready(url) if on_ready else None)
     server.run(sockets=[sock])
     return server.signalled

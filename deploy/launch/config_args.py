@@ -52,6 +52,27 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"{exc}{flag}") from None
 
 
+def check_weights(cfg: ServeConfig) -> None:
+    """Before launching: each checkpoint directory holds weights pdkv loads (safetensors),
+    so that missing or pickled-only weights are one line now, not a traceback from every
+    worker once it started.
+
+    Raises:
+        ConfigError: a checkpoint without safetensors weights (names the flag and what
+            was found instead).
+    """
+    from common.model import weight_files
+
+    for field in ("model_path", "draft_model_path"):
+        path = getattr(cfg, field)
+        if not path:
+            continue
+        try:
+            weight_files(path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{_FLAG_OF[field]} {path}: {exc}") from None
+
+
 def load_config(path: str | None, text: str | None) -> dict:
     """The JSON object of ``--config FILE.json`` or ``--config-json JSON``."""
     where = f"--config {path}" if path else "--config-json"

@@ -127,10 +127,10 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
 def add_http_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP front door (OpenAI API; docs/http.md)")
     g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every "
+                        "interface, which needs an API key or --allow-no-api-key)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks one)")
-    g.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: open)")
+    add_api_key_flags(g)
     g.add_argument("--served-model-name", metavar="NAME",
                    help="model name in /v1/models and in requests (default: the model's)")
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",
@@ -143,6 +143,24 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning; info logs each connection)")
     add_log_level(p)
+
+
+def add_api_key_flags(g) -> None:
+    """The front door's lock (deploy/http/access.py; docs/security.md)."""
+    g.add_argument("--api-key-file", metavar="FILE",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics, KEY "
+                        "being this file's content (default: $PDKV_API_KEY; neither: open, "
+                        "which only loopback allows)")
+    g.add_argument("--api-key", metavar="KEY",
+                   help="the same key given inline (any local user can read a process's "
+                        "arguments: prefer --api-key-file or $PDKV_API_KEY)")
+    g.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve the API without a key on an address beyond loopback "
+                        "(anyone who reaches it may use the deployment)")
+    g.add_argument("--ssl-certfile", metavar="FILE",
+                   help="serve HTTPS with this certificate (PEM; the chain after it)")
+    g.add_argument("--ssl-keyfile", metavar="FILE",
+                   help="the certificate's private key (PEM; default: in --ssl-certfile)")
 
 
 def add_auth_flags(p: argparse.ArgumentParser, identity: str | None, what: str) -> None:

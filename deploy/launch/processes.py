@@ -65,6 +65,9 @@ def run_worker(args: argparse.Namespace) -> int:
     from deploy.launch.run import check_devices
     check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"
+    if not args.log_dir:
+        logger.warning("%s: no --log-dir: this worker records no free log, so pdkv replay "
+                       "cannot check its pages", name)
     try:
         tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s)
     except ValueError as exc:
@@ -73,7 +76,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if tp.rank > 0:  # a follower: no router; the group's socket and its KV transport
         try:
             return run_follower(tp, name, args.device, args.log_dir, _rank_transfer,
-                                getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""))
+                                getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""),
+                                keys=_keys(args), identity=args.identity)
         except (KeyboardInterrupt, SystemExit) as exc:
             logger.info("%s/tp%d: stopped by signal (%s)", name, tp.rank, exc)
             return 0

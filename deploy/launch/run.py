@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from common.auth import KeysError
 from common.config import ConfigError, ServeConfig
 from common.freelog import UnreadableLog, replay_file
 from deploy.launch.cluster.commands import make_cluster
-from deploy.launch.config_args import config_from_args
+from deploy.launch.config_args import check_weights, config_from_args
 from deploy.launch.launcher import Cluster, WorkerDied
 from deploy.loadgen.driver import Result, drive, router_lost
 from deploy.loadgen.summary import format_summary, summarize
@@ -142,6 +143,8 @@ def _free_log_line(checked: dict) -> str:
     bad = [f"{len(checked[k])} {label} ({', '.join(checked[k])})" for k, label in (
         ("violations", "with VIOLATIONS"), ("incomplete", "INCOMPLETE"),
         ("unreadable", "UNREADABLE")) if checked[k]]
+    if checked.get("unchecked"):  # never "clean" for what was not looked at
+        bad.append(f"NOT VERIFIED: {checked['unchecked']}")
     return f"  free logs     {total} replayed, " + (", ".join(bad) if bad else "clean")
 
 
@@ -152,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
         return _attach(args, progress)
     try:
         cfg = config_from_args(args)
+        check_weights(cfg)
     except ValueError as exc:  # a bad flag or a checkpoint pdkv refuses: before any process
         print(f"pdkv run: error: {exc}", file=sys.stderr)  # as deploy.cli.main prints ConfigError
         return 2
@@ -235,11 +239,31 @@ def _attach(args: argparse.Namespace, progress: bool) -> int:
         return 2
     finally:
         client.close()
-    logs = sorted(Path(args.log_dir).glob("*.freelog")) if args.log_dir and args.shutdown \
-        else []
+    logs, unchecked = attached_logs(args.log_dir, args.shutdown, sorted(workers))
     summary = summarize(results, {}, wall, this_run_only=True)
     return _report(args, results, summary, logs, f"{len(workers)} workers at {args.router}",
-                   args.log_dir or "", stats)
+                   args.log_dir or "", stats, unchecked)
+
+
+def attached_logs(log_dir: str | None, shutdown: bool, workers: list[str]
+                  ) -> tuple[list[Path], str]:
+    """``--router``: the free logs to replay, and why the deployment is not verified
+    ('' when it is): the workers still run (no ``--shutdown``: their logs are open), no
+    ``--log-dir`` says where they wrote, or a worker left no log there (started without
+    ``--log-dir``, it records nothing; nothing then proves its pages)."""
+    if not shutdown:
+        return [], ("not replayed: the workers still run (--shutdown stops them, then "
+                    "their logs in --log-dir are replayed)")
+    if not log_dir:
+        return [], "not replayed: give --log-dir DIR, the folder the workers write them to"
+    logs = sorted(Path(log_dir).glob("*.freelog"))
+    missing = [w for w in workers  # its device pool's log: NAME.freelog, NAME.1.freelog...
+               if not any(re.fullmatch(rf"{re.escape(w)}(\.\d+)?\.freelog", p.name)
+                          for p in logs)]
+    if missing:
+        return logs, (f"no free log in {log_dir} for {', '.join(missing)} (a worker "
+                      "started without --log-dir records nothing)")
+    return logs, ""
 
 
 def _write_output(args: argparse.Namespace, results: dict[str, Result]) -> None:
@@ -252,10 +276,17 @@ def _write_output(args: argparse.Namespace, results: dict[str, Result]) -> None:
 
 
 def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
-            freelogs: list[Path], layout: str, log_dir, stats: dict | None = None) -> int:
-    """Replay the free logs, write --output, print the summary; the exit status."""
+            freelogs: list[Path], layout: str, log_dir, stats: dict | None = None,
+            unchecked: str = "") -> int:
+    """Replay the free logs, write --output, print the summary; the exit status.
+    ``unchecked``: why the deployment's logs are not (all) verified, printed instead of
+    "clean"; a worker without a log fails the run as an incomplete log does."""
     checked = replay_all(freelogs, stats)
+    checked["unchecked"] = unchecked
+    if unchecked and freelogs:  # logs are missing: what was replayed is not all
+        checked["missing"] = unchecked
     summary["freelogs"] = len(freelogs)
+    summary["freelogs_unchecked"] = unchecked
     summary["freelog_violations"] = len(checked["violations"])
     summary["freelog_incomplete"] = checked["incomplete"] + checked["unreadable"]
     summary["freelog_problems"] = checked["reported"]
@@ -267,7 +298,8 @@ def _report(args: argparse.Namespace, results: dict[str, Result], summary: dict,
         print(_free_log_line(checked))
     for p in checked["details"]:
         print(p, file=sys.stderr)
-    bad_logs = checked["violations"] or summary["freelog_incomplete"] or checked["reported"]
+    bad_logs = checked["violations"] or summary["freelog_incomplete"] or \
+        checked["reported"] or checked.get("missing")
     if bad_logs or summary["ok"] != summary["requests"]:
         why = "free-log violations" if checked["violations"] else (
             "free logs incomplete" if bad_logs else "requests failed")

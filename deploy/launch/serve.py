@@ -12,6 +12,7 @@ import sys
 import threading
 
 from common.auth import Keys, KeysError
+from deploy.http.access import API_KEY_ENV, Access, AccessError, access_from_args
 from deploy.http.hosted import HostedRouter
 from deploy.http.server import bind, run_frontend
 
@@ -45,10 +46,19 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _http_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model_name=args.served_model_name or "", api_key=args.api_key or "",
+def _http_kwargs(args: argparse.Namespace, access: Access) -> dict:
+    return dict(model_name=args.served_model_name or "", access=access,
                 max_waiting=args.max_waiting, log_level=args.http_log_level,
                 router_timeout_s=args.router_timeout_s)
+
+
+def _access_or_explain(args: argparse.Namespace) -> Access | None:
+    """The front door's lock as asked (``deploy.http.access``); None after saying why not."""
+    try:
+        return access_from_args(args)
+    except AccessError as exc:
+        print(f"pdkv {args.command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _bind_or_explain(args: argparse.Namespace) -> socket.socket | None:
@@ -72,7 +82,8 @@ def frontend_main(args: argparse.Namespace) -> int:
     except KeysError as exc:
         print(f"pdkv frontend: {exc}", file=sys.stderr)
         return 2
-    sock = _bind_or_explain(args)
+    access = _access_or_explain(args)
+    sock = _bind_or_explain(args) if access is not None else None
     if sock is None:
         return 2
     sigs = _Signals()
@@ -83,7 +94,7 @@ def frontend_main(args: argparse.Namespace) -> int:
               f"at {args.router}", flush=True)
 
     run_frontend(args.router, sock, on_ready=ready, keys=keys, identity=args.identity or
-                 "client", **_http_kwargs(args))
+                 "client", **_http_kwargs(args, access))
     return 0
 
 
@@ -94,7 +105,7 @@ def serve_main(args: argparse.Namespace) -> int:
     The router runs in this process's event loop (``deploy.http.hosted``) unless
     ``--router-process`` asks for its own process (then the front door connects to it
     as ``pdkv frontend`` does)."""
-    from deploy.launch.config_args import config_from_args
+    from deploy.launch.config_args import check_weights, config_from_args
     from deploy.launch.launcher import Cluster, WorkerDied
     from deploy.launch.run import replay_all
 
@@ -102,7 +113,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.cluster == "ray":  # the front door runs as a Ray actor too
         return serve_on_ray(args)
     cfg = config_from_args(args)
-    sock = _bind_or_explain(args)  # before launching: a busy port fails at once
+    check_weights(cfg)
+    access = _access_or_explain(args)  # before launching: a setting refused fails at once
+    sock = _bind_or_explain(args) if access is not None else None  # a busy port too
     if sock is None:
         return 2
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
@@ -125,9 +138,9 @@ def serve_main(args: argparse.Namespace) -> int:
         if not sigs.got:
             where = "in this process" if hosted is not None else "in its own process"
             run_frontend(cluster.router_addr, sock, on_ready=lambda url: print(
-                f"pdkv serve: {layout} {cfg.model} ready; OpenAI API at {url}/v1; router "
-                f"{where} at {cluster.router_addr}", flush=True),
-                keys=keys, identity="client", hosted=hosted, **_http_kwargs(args))
+                f"pdkv serve: {layout} {cfg.model_name} ready; OpenAI API at {url}/v1; router "
+                f"{where} at {cluster.router_addr}\n{_watch_line(cluster)}", flush=True),
+                keys=keys, identity="client", hosted=hosted, **_http_kwargs(args, access))
     except (WorkerDied, TimeoutError, KeysError) as exc:
         print(f"pdkv serve: FAILED: {exc}\n  logs: {cluster.log_dir}", file=sys.stderr)
         _stop(cluster, hosted)
@@ -139,6 +152,14 @@ def serve_main(args: argparse.Namespace) -> int:
         sock.close()
     _stop(cluster, hosted)
     return _report(cluster, replay_all(cluster.freelogs(), cluster.final_stats))
+
+
+def _watch_line(cluster) -> str:
+    """How to watch this deployment: ``pdkv top`` at its router, with the key directory
+    it runs with (made for this run unless --auth-keys named one; private to this user,
+    removed at exit)."""
+    keys = f" --auth-keys {cluster.keys_dir}" if cluster.keys_dir else ""
+    return f"pdkv serve: watch it with: pdkv top --router {cluster.router_addr}{keys}"
 
 
 def _stop(cluster, hosted: HostedRouter | None, timeout_s: float = 20.0) -> None:
@@ -184,18 +205,26 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     fe = ["--max-waiting", str(args.max_waiting), "--router-timeout-s",
           str(args.router_timeout_s), "--http-log-level", args.http_log_level]
-    fe += ["--api-key", args.api_key] if args.api_key else []
+    try:  # the front door actor checks its own address; its files and key are read here
+        access = access_from_args(args)
+    except AccessError as exc:
+        print(f"pdkv serve: {exc}", file=sys.stderr)
+        return 2
     fe += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    fe += ["--allow-no-api-key"] if args.allow_no_api_key else []
+    fe += ["--ssl-certfile", access.ssl_certfile] if access.tls else []
+    fe += ["--ssl-keyfile", access.ssl_keyfile] if access.ssl_keyfile else []
     cluster = RayCluster(cfg, args.mode, args.prefill, args.decode, args.log_dir,
                          threads=args.threads, ray_address=args.ray_address,
                          placement=args.placement, max_restarts=args.ray_max_restarts,
-                         frontend=fe)
+                         frontend=fe, frontend_env={API_KEY_ENV: access.api_key}
+                         if access.api_key else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
-        print(f"pdkv serve: {args.prefill}P{args.decode}D {cfg.model} ready on Ray; OpenAI "
+        print(f"pdkv serve: {args.prefill}P{args.decode}D {cfg.model_name} ready on Ray; OpenAI "
               f"API at {cluster.frontend_url}/v1", flush=True)
         while not stop.wait(1.0):
             cluster.check()

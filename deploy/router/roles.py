@@ -33,12 +33,16 @@ from common.control import (
 
 _WORKER = ("worker",)
 _CLIENT = ("client", "operator")
+# A probe (``pdkv probe``, an orchestrator's readiness check) reads the deployment's
+# status and nothing else: it runs where a worker runs, so it must not need the worker's
+# rights, and whoever holds its key learns who is ready, never a prompt or a credential.
+_READER = (*_CLIENT, "probe")
 MAY_SEND: dict[type, tuple[str, ...]] = {
     Register: _WORKER, Ready: _WORKER, Load: _WORKER, Stats: _WORKER, Tokens: _WORKER,
     Done: _WORKER, Prefilled: _WORKER, Error: _WORKER, MetricsReport: _WORKER,
-    Submit: _CLIENT, Abort: _CLIENT, Status: _CLIENT, Ping: _CLIENT, MetricsQuery: _CLIENT,
+    Submit: _CLIENT, Abort: _CLIENT, Status: _READER, Ping: _READER, MetricsQuery: _CLIENT,
     Shutdown: ("operator",),
-    Malformed: ("worker", "client", "operator"),  # answered with its error, nothing else
+    Malformed: ("worker", "client", "operator", "probe"),  # answered with its error only
 }
 
 

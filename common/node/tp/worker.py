@@ -32,9 +32,11 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 
+from common.auth import Keys, SecretOffer, fetch_secret
 from common.config import ServeConfig
 from common.control import wait_any
 from common.freelog import freelog_file
@@ -78,13 +80,16 @@ def freelog_path(log_dir: str | None, name: str, rank: int) -> str | None:
 
 def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pages: int,
                  device: str, log_dir: str | None, max_rows: int, *,
-                 shared_memory: bool = False, kv_auth: dict | None = None
+                 shared_memory: bool = False, kv_auth: dict | None = None,
+                 keys: Keys | None = None, identity: str = "worker"
                  ) -> tuple[TpModel, LeaderKvCache, LeaderRunner]:
     """Rank 0: join the group, hand the others the config, build this rank's shard.
 
     ``kv_auth``: the KV plane's credentials from the router (``PlaneAuth.to_dict``),
-    which the followers' transports present too: they cross the group's connection
-    (docs/security.md: keep the rendezvous on loopback or a private network).
+    which the followers' transports present too. They never cross the group's own
+    connection, which authenticates nothing: rank 0 offers them on a CURVE socket that
+    only ``identity``'s key (from ``keys``, the one every rank runs with) may reach
+    (``common.auth.handoff``); the group's setup carries the offer's address.
 
     Raises:
         ValueError: the group's size is not the config's (``prefill_tp``/``decode_tp``).
@@ -95,15 +100,29 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
                          f"config has {config.role_tp(role)} rank(s) for a {role} worker")
     group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s)
     shared = shared_memory and torch.device(device).type == "cpu"
+    offer = _offer(spec, keys, identity) if kv_auth else None
     setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,
-             "name": name, "role": role, "shared_memory": shared, "kv_auth": kv_auth or {}}
+             "name": name, "role": role, "shared_memory": shared,
+             "kv_auth_at": offer.address if offer else ""}
     group.broadcast_bytes(TAG_CONFIG, json.dumps(setup).encode())
+    if offer is not None:
+        try:
+            offer.serve(json.dumps(kv_auth).encode(), spec.size - 1, spec.timeout_s)
+        except TimeoutError as exc:
+            raise GroupLost(f"{name}: {exc}") from None
     model, draft = _models(config, group, device)
     lockstep = Lockstep(group)
     cache = LeaderKvCache(num_pages, config.page_size, layout=_layout(config, model),
                           device=device, log_path=freelog_path(log_dir, name, 0), node=name,
                           max_rows=max_rows, lockstep=lockstep, shared_memory=shared)
     return model, cache, LeaderRunner(model, cache, draft)
+
+
+def _offer(spec: TpSpec, keys: Keys | None, identity: str) -> SecretOffer:
+    """Where rank 0 hands its followers the KV credentials: beside the rendezvous."""
+    if keys is None:
+        raise ValueError("KV-plane credentials without a key directory to hand them on with")
+    return SecretOffer(keys, identity, urlparse(spec.address).hostname or "127.0.0.1")
 
 
 def _models(config: ServeConfig, group: TpGroup, device: str) -> tuple[TpModel, TpModel | None]:
@@ -237,16 +256,20 @@ def gather_kv_addresses(group: TpGroup, mine: str) -> list[str]:
 
 def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                  transfers: TransferFactory | None = None, kv_bind: str = "",
-                 kv_advertise: str = "") -> int:
+                 kv_advertise: str = "", keys: Keys | None = None,
+                 identity: str = "worker") -> int:
     """Rank > 0 of worker ``name``: follow rank 0 until it stops (0) or is lost (3).
 
     ``transfers`` builds this rank's KV transport when the worker is a prefill or a
     decode (the KV of this rank's heads moves between ranks directly); ``kv_bind`` /
-    ``kv_advertise``: where a prefill rank's sender binds and what decodes dial."""
+    ``kv_advertise``: where a prefill rank's sender binds and what decodes dial.
+    ``keys``/``identity``: what this rank fetches rank 0's KV credentials with (the
+    same as rank 0's)."""
     group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
     mirror = None
     try:
         setup = json.loads(group.broadcast_bytes(TAG_CONFIG, None))
+        setup["kv_auth"] = _fetch_kv_auth(setup, keys, identity, spec)
         config = ServeConfig.from_dict(setup["config"])
         model, draft = _models(config, group, device)
         node = f"{name}/tp{spec.rank}"
@@ -284,6 +307,20 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
         if mirror is not None:
             mirror.close_transfer()
         group.close()
+
+
+def _fetch_kv_auth(setup: dict, keys: Keys | None, identity: str, spec: TpSpec) -> dict:
+    """The KV credentials rank 0 offers (none when the deployment has no keys)."""
+    where = setup.get("kv_auth_at", "")
+    if not where:
+        return {}
+    if keys is None:
+        raise GroupLost(f"tp rank {spec.rank}: rank 0 runs with keys and this rank without: "
+                        "start every rank with the same --auth-keys")
+    try:
+        return json.loads(fetch_secret(keys, identity, where, spec.timeout_s))
+    except TimeoutError as exc:
+        raise GroupLost(f"tp rank {spec.rank}: {exc}") from None
 
 
 def _transfer(factory: TransferFactory | None, setup: dict, spec: TpSpec,

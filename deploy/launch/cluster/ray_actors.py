@@ -56,17 +56,20 @@ class RayActors:
                     f"all, {self.ray.available_resources()} free") from None
 
     def create(self, name: str, role: str, worker: str, rank: int, argv: list[str],
-               log: str, launch: bool, restarts: int):
+               log: str, launch: bool, restarts: int, env: dict[str, str] | None = None):
         """A ``ProcHost`` actor for process ``name`` on bundle ``rank`` of ``worker``'s
-        group; ``launch``: it starts ``argv`` at once (else at its ``launch``)."""
+        group; ``launch``: it starts ``argv`` at once (else at its ``launch``). ``env``:
+        more environment for the process (a secret that must not sit in its argv, which
+        any local user reads in /proc)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = bundles(WorkerSpec(name, role), self.gpus)[0]
+        extra = {"runtime_env": {"env_vars": dict(env)}} if env else {}
         host = self.ray.remote(ProcHost).options(
             name=f"pdkv-{name}-{self.tag}-{next(self._names)}", num_cpus=bundle["CPU"],
             num_gpus=bundle.get("GPU", 0), max_restarts=restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.groups[worker], placement_group_bundle_index=rank))
+                self.groups[worker], placement_group_bundle_index=rank), **extra)
         actor = host.remote(argv, log, self.restart_delay_s, launch)
         self.actors[name] = actor
         return actor

@@ -17,14 +17,17 @@ then starts the command again; the worker registers anew and serves.
 ``{ip}`` and ``{port}`` in the command line become the node's address and a free port
 there (``{port2}``: a second one, for a process that binds two), so addresses are
 advertised with the node's address: same node means shared memory between prefill and
-decode, different nodes ZMQ frames.
+decode, different nodes ZMQ frames. ``{lport}`` is a free loopback port (a
+tensor-parallel group's rendezvous: its ranks share the node).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -51,8 +54,10 @@ class ProcHost:
         ip = ray.util.get_node_ip_address()
         port = _free_port(ip)
         port2 = next(p for p in iter(lambda: _free_port(ip), None) if p != port)
+        lport = _free_port("127.0.0.1")
         self.argv = [a.replace("{ip}", ip).replace("{port}", str(port))
-                     .replace("{port2}", str(port2)) for a in argv]
+                     .replace("{port2}", str(port2)).replace("{lport}", str(lport))
+                     for a in argv]
         self.node = {"ip": ip, "node_id": ctx.get_node_id()}
         self.log_path = log_path
         self.popen: subprocess.Popen | None = None
@@ -66,10 +71,14 @@ class ProcHost:
         for key, value in subs.items():
             self.argv = [a.replace(key, value) for a in self.argv]
         shim = [sys.executable, "-m", "deploy.launch.cluster.deathsig", str(os.getpid())]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not env.get("UCX_NET_DEVICES"):  # NIXL between nodes: the interface Ray reaches
+            # (unset, transport.nixl holds UCX to loopback)
+            env["UCX_NET_DEVICES"] = interface_of(self.node["ip"]) or "lo"
         with open(self.log_path, "ab") as log:  # no preexec_fn: see deathsig.py
             self.popen = subprocess.Popen(
                 [*shim, *self.argv], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                stdin=subprocess.DEVNULL, env=env)
         return self.info()
 
     def info(self) -> dict:
@@ -91,6 +100,25 @@ class ProcHost:
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(sig)
+
+
+def interface_of(ip: str) -> str:
+    """The name of this host's IPv4 interface holding ``ip`` ('' when none does)."""
+    if ip.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if addr == ip:
+                return name
+    return ""
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def _free_port(ip: str) -> int:

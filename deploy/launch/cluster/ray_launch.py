@@ -60,18 +60,21 @@ class RayCluster(Cluster):
         placement: ``spread`` or ``pack`` (``ray_plan``).
         gpus: one GPU per worker rank; None: when the cluster has GPUs.
         max_restarts: how often Ray restarts a worker's actor (the router's: never).
-        frontend: also run the HTTP front door as an actor (``pdkv serve``); its URL is
-            ``frontend_url`` once started.
+        frontend: also run the HTTP front door as an actor (``pdkv serve``), with these
+            flags; its URL is ``frontend_url`` once started.
+        frontend_env: the front door's extra environment (``PDKV_API_KEY``: never argv).
     """
 
     def __init__(self, config: ServeConfig, mode: str = "disagg", num_prefill: int = 1,
                  num_decode: int = 1, log_dir: str | None = None, threads: int = 1, *,
                  ray_address: str = "", placement: str = "spread", gpus: bool | None = None,
                  max_restarts: int = 3, frontend: list[str] | None = None,
+                 frontend_env: dict[str, str] | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  keys_dir: str | None = None) -> None:
         self.ray_address, self.placement, self.gpus = ray_address, placement, gpus
         self.max_restarts, self.frontend_args = max_restarts, frontend
+        self.frontend_env = dict(frontend_env or {})
         self.frontend_url = ""
         self.placed: RayActors | None = None
         """Placement groups and actors, once ``start`` made them."""
@@ -95,10 +98,13 @@ class RayCluster(Cluster):
     def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
         procs = super()._plan(num_prefill, num_decode)
         procs[0].argv[procs[0].argv.index("--bind") + 1] = "tcp://{ip}:{port}"
-        for p in procs:  # a group's rendezvous is on its rank 0's node (all ranks share it)
+        # A group's rendezvous is on its rank 0's node, which all its ranks share
+        # (STRICT_PACK), so it binds loopback: the group's connection authenticates
+        # nothing and no other host needs to reach it.
+        for p in procs:
             if "--tp-address" in p.argv:
                 p.argv[p.argv.index("--tp-address") + 1] = \
-                    TP_PLACEHOLDER if p.role == RANK else "tcp://{ip}:{port}"
+                    TP_PLACEHOLDER if p.role == RANK else "tcp://127.0.0.1:{lport}"
                 if "--kv-bind" in p.argv and p.role != RANK:  # rank 0 binds its KV too
                     p.argv[p.argv.index("--kv-bind") + 1] = "tcp://{ip}:{port2}"
         if self.metrics_port is not None:
@@ -165,7 +171,8 @@ class RayCluster(Cluster):
         still to pick); ``launch``: start the process at once."""
         return self.placed.create(p.name, p.role, _worker(p), _rank(p),
                                   self._templates[p.name], str(p.log), launch,
-                                  self._restarts(p))
+                                  self._restarts(p),
+                                  self.frontend_env if p.role == "frontend" else None)
 
     def bind(self, p: Proc, actor, info: dict) -> None:
         """``p`` is now the process ``actor`` started (``info``: its ``ProcHost.info``)."""
@@ -222,7 +229,8 @@ class RayCluster(Cluster):
         if fe is None:
             return
         host = fe.argv[fe.argv.index("--host") + 1]
-        url = f"http://{host}:{fe.argv[fe.argv.index('--port') + 1]}"
+        scheme = "https" if "--ssl-certfile" in fe.argv else "http"
+        url = f"{scheme}://{host}:{fe.argv[fe.argv.index('--port') + 1]}"
         deadline = time.monotonic() + self.config.ready_timeout_s
         while not _healthy(url):
             self.check()
@@ -290,11 +298,15 @@ def _rank(p: Proc) -> int:
 
 
 def _healthy(url: str) -> bool:
+    import ssl
     import urllib.error
     import urllib.request
 
+    # our own front door's liveness, over its TLS if it has one: the certificate names
+    # the host clients use, not necessarily the node address asked here
+    ctx = ssl._create_unverified_context() if url.startswith("https") else None
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"{url}/health", timeout=2, context=ctx) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
