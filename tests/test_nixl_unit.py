@@ -162,7 +162,7 @@ def test_nixl_required_without_nixl_names_the_install(monkeypatch, tmp_path):
     from tests.transport_helpers import config
     from transport import KvReceiver
     cache = make_cache(8, 4, layout())
-    with pytest.raises(RuntimeError, match=r"pip install 'pdkv\[nixl\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install 'pdkv\[nixl-cu12\]'"):
         KvReceiver(cache, config("d", kv_transport="nixl"))
     cache.close()
 
