@@ -9,7 +9,9 @@ without the pass itself (the model's cost is the same on every rank):
     step), each finishing after its output and replaced by a new prompt; rank 0 extends,
     commits, frees and closes rows as the decode scheduler does, then broadcasts the step.
 
-Figures per step (median of ``--repeats`` runs of ``--steps`` steps):
+Figures are CPU time per step (``time.process_time``: this process's threads, the free
+log's writer included; steadier than wall time on a shared machine), median of
+``--repeats`` runs of ``--steps`` steps:
 
 - rank 0's cache work with recording (``LeaderKvCache``, the step encoded), and without
   (a plain ``KvCache``, no group): what the lockstep adds on rank 0;
@@ -112,9 +114,9 @@ def _leader(batch: int, steps: int, k: int, log: Path | None) -> tuple[float, li
     group = _Keep()
     cache = LeaderKvCache(_pages(batch), PAGE, max_rows=batch, log_path=log, node="w",
                           layout=_layout(), lockstep=Lockstep(group))
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     _stream(cache, batch, steps, k, 1, lambda: cache.lockstep.send("idle"))
-    return time.perf_counter() - t0, group.steps
+    return time.process_time() - t0, group.steps
 
 
 def _plain(batch: int, steps: int, k: int, log: Path | None) -> float:
@@ -122,9 +124,9 @@ def _plain(batch: int, steps: int, k: int, log: Path | None) -> float:
 
     cache = KvCache(_pages(batch), PAGE, max_rows=batch, log_path=log, node="w",
                     layout=_layout())
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     _stream(cache, batch, steps, k, 1, lambda: None)
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def _follower(batch: int, frames: list[bytes], log: Path | None) -> float:
@@ -136,10 +138,10 @@ def _follower(batch: int, frames: list[bytes], log: Path | None) -> float:
                     layout=_layout())
     # no pass runs: the model only satisfies the runner
     mirror = Mirror(ModelRunner(Model(get_config("tiny")), cache), 1)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for frame in frames:
         mirror.apply(frame)
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def _page_table(frames: list[bytes]) -> float:
@@ -148,7 +150,7 @@ def _page_table(frames: list[bytes]) -> float:
     from common.node.tp import read_step
 
     rows: dict[str, list[np.ndarray]] = {}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for frame in frames:
         for op in read_step(frame)[1]:
             if op.op == "open":
@@ -157,7 +159,7 @@ def _page_table(frames: list[bytes]) -> float:
                 rows[op.owner].append(unpack_ids(op.pages, "pages"))
             elif op.op == "close_row":
                 del rows[op.owner]
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def measure(batch: int, steps: int, repeats: int, k: int = 4) -> dict:
@@ -208,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
     us = results["us_per_step"]
     print(f"decode stream, {args.batch} rows, k=4, page {PAGE}: "
           f"{results['ops_per_step']:.1f} cache ops a step (median of {repeats} runs of "
-          f"{steps} steps), us per step:")
+          f"{steps} steps), CPU us per step:")
     for name, label in (("leader_plain", "rank 0, plain KvCache (no TP)"),
                         ("leader_recorded", "rank 0, LeaderKvCache + step encoded"),
                         ("follower_logged", "follower, KvCache with its free log"),

@@ -15,7 +15,7 @@ import torch
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import BatchItem, Model, ModelRunner, get_config
-from common.node.tp import LeaderKvCache, LeaderRunner, Lockstep, Mirror, RankPins
+from common.node.tp import LeaderKvCache, LeaderRunner, Lockstep, Mirror, RankPins, TpKvOp
 from common.parallel import GroupLost
 from tests.tp_helpers import Recording
 
@@ -102,6 +102,24 @@ def test_a_follower_that_lost_rank_0_frees_what_it_holds(tmp_path, model):
     assert events[-2][1:] == ("a", np.array([1, 2, 3], "<i4").tobytes(), "peer_lost")
     report = replay_file(tmp_path / "r1.freelog")
     assert report.ok and not report.warnings, report.format()
+
+
+def test_an_op_travels_without_its_default_fields_and_decodes_whole():
+    """Rank 0 leaves an op's default fields out (most of them; the follower decodes a
+    third faster); the checked codec fills them back in, so every op decodes equal."""
+    from common.control import pack_ids
+    from common.node.tp.lockstep import OP_CODEC, encode_op
+
+    ops = [TpKvOp("open", "a"), TpKvOp("commit", "a", [9, 4, 0, 0], n=1),
+           TpKvOp("extend", "a", [9, 9, 0, 0], n=4, pages=pack_ids([3])),
+           TpKvOp("pin", "a", [9, 9, 0, 0], n=0, m=8, ranges=[0], text="send"),
+           TpKvOp("free_pages", "cache:p", pages=pack_ids([2]), text="evicted", pool="swa"),
+           TpKvOp("close", retained=["cache:p"]),
+           TpKvOp("x_abort", "r", text="aborted", detail="client abort")]
+    for op in ops:
+        raw = encode_op(op)
+        assert OP_CODEC.decode(raw) == op and len(raw) < len(OP_CODEC.encode(op)), op
+    assert OP_CODEC.decode(encode_op(TpKvOp("open", "a"))) == TpKvOp("open", "a", [], 0)
 
 
 def _aborted_mid_transfer(tmp_path, model):
