@@ -64,10 +64,10 @@ class Leader(WorkerBase):
         self.tmp_path, self.group, self.ticks = tmp_path, group, 0
 
     def build(self) -> None:
-        self.tp = TpLeader(Lockstep(self.group))
         self.cache = LeaderKvCache(64, 4, layout=CFG.kv_layout(True),
                                    log_path=self.tmp_path / "p0.freelog", node="p0",
-                                   lockstep=self.lockstep)
+                                   lockstep=Lockstep(self.group))
+        self.tp = TpLeader(self.cache)
 
     def tick(self) -> bool:
         self.ticks += 1

@@ -196,7 +196,7 @@ class WorkerBase(ABC):
                                             self.config.max_rows, shared_memory=shared_memory,
                                             kv_auth=kv_auth, keys=self.keys,
                                             identity=self.identity)
-        self.cache, self.tp = cache, TpLeader(cache.lockstep)
+        self.cache, self.tp = cache, TpLeader(cache)
         self.counting.watch(self.config, cache)
         return model, cache, runner
 
@@ -209,7 +209,7 @@ class WorkerBase(ABC):
     def transport_cache(self):
         """The pool as this rank's KV transport uses it: in a tensor-parallel group its
         pins are this rank's own (``RankPins``), not mirrored to the other ranks."""
-        return self.tp.transport_cache(self.cache) if self.tp is not None else self.cache
+        return self.tp.transport_cache() if self.tp is not None else self.cache
 
     def tp_rank_size(self) -> tuple[int, int]:
         """(rank, size) of this worker's tensor-parallel group: (0, 1) without one."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -106,6 +107,7 @@ payload is bounded by the protocol, not by what a rank happens to hold."""
 
 CODEC = Codec(TpKvOp, TpStep, max_bytes=256 << 20)
 OP_CODEC = Codec(TpKvOp)
+REPORT_CODEC = Codec(RankReport, max_bytes=MAX_REPORT_BYTES)
 _OP_FIELDS = [(f.name, f.default_factory() if callable(f.default_factory) else f.default)
               for f in fields(TpKvOp)]
 
@@ -120,7 +122,6 @@ def encode_op(op: TpKvOp) -> bytes:
         if value != default:
             body[name] = value
     return msgpack.packb(body, use_bin_type=True)
-REPORT_CODEC = Codec(RankReport, max_bytes=MAX_REPORT_BYTES)
 
 
 class Lockstep:
@@ -145,20 +146,10 @@ class Lockstep:
     def send(self, step_kind: str, batch: Sequence[BatchItem] = (), draft: bool = False
              ) -> None:
         """Broadcast the ops so far and the next pass (``batch``) to every follower."""
-        if self.lost is not None:
-            raise GroupLost(f"tp group already lost: {self.lost}")
-        with self._lock:
-            ops, self._ops, self._urgent = self._ops, [], False
-        step = TpStep(step_kind, ops, draft, [b.kv.owner for b in batch],
-                      [b.start for b in batch], [b.num_tokens for b in batch],
-                      pack_ids(np.concatenate([_ids(b.token_ids) for b in batch]))
-                      if batch else b"")
-        try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(step))
-        except GroupLost as exc:
-            self.lost = exc
-            raise
-        self._last = time.monotonic()
+        self._exchange(lambda ops: TpStep(
+            step_kind, ops, draft, [b.kv.owner for b in batch], [b.start for b in batch],
+            [b.num_tokens for b in batch],
+            pack_ids(np.concatenate([_ids(b.token_ids) for b in batch])) if batch else b""))
 
     def record_transfer(self, op: str, rid: str, **fields) -> None:
         """A transfer op (``x_expect``, ``x_send``, ``x_finish``, ``x_announce``,
@@ -172,19 +163,8 @@ class Lockstep:
         the minimum over the ranks, rid by rid. The count travels in the step first, so
         every rank's all-reduce has the same shape (a follower's endpoint gives its own
         ``status``)."""
-        if self.lost is not None:
-            raise GroupLost(f"tp group already lost: {self.lost}")
-        with self._lock:
-            ops, self._ops, self._urgent = self._ops, [], False
-        try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("agree", ops,
-                                                                     owners=list(rids))))
-            verdicts = self.group.all_min(list(mine))
-        except GroupLost as exc:
-            self.lost = exc
-            raise
-        self._last = time.monotonic()
-        return verdicts
+        return self._exchange(lambda ops: TpStep("agree", ops, owners=list(rids)),
+                              lambda: self.group.all_min(list(mine)))
 
     def health(self, final: bool = False) -> list[RankReport]:
         """Each follower's ``RankReport`` (free-log problems, metrics; ``final``: stats
@@ -192,19 +172,27 @@ class Lockstep:
         every rank knows the shape; each payload at most ``MAX_REPORT_BYTES``). Rank 0
         pauses admission on the problems as on its own and reports the metrics labelled
         by rank (``WorkerBase``). A report that does not decode counts as a problem."""
+        got = self._exchange(lambda ops: TpStep("health", ops, final=final),
+                             lambda: self.group.gather_bytes(b""))
+        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
+
+    def _exchange(self, step: Callable[[list[bytes]], TpStep],
+                  answer: Callable[[], Any] | None = None) -> Any:
+        """Broadcast the step ``step`` builds around the ops so far, then the collective
+        every rank answers it with (``answer``); its result. The first failure loses the
+        group for good."""
         if self.lost is not None:
             raise GroupLost(f"tp group already lost: {self.lost}")
         with self._lock:
             ops, self._ops, self._urgent = self._ops, [], False
         try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops,
-                                                                     final=final)))
-            got = self.group.gather_bytes(b"")
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(step(ops)))
+            got = answer() if answer is not None else None
         except GroupLost as exc:
             self.lost = exc
             raise
         self._last = time.monotonic()
-        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
+        return got
 
     def keepalive(self) -> None:
         """Called after every tick: the ops recorded since the last step go out at once

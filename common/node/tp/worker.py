@@ -120,18 +120,18 @@ def _offer(spec: TpSpec, keys: Keys | None, identity: str) -> SecretOffer:
 
 
 class TpLeader:
-    """Rank 0's group as its worker (``WorkerBase``) uses it, once the pool is built
+    """Rank 0's group as its worker (``WorkerBase``) uses it, once its pool is built
     (``leader_cache``): followers kept in step, asked for their reports at every
     heartbeat, stopped after the pool closed."""
 
-    def __init__(self, lockstep: Lockstep) -> None:
-        self.lockstep = lockstep
+    def __init__(self, cache: LeaderKvCache) -> None:
+        self.cache, self.lockstep = cache, cache.lockstep
         self.reports: list[RankReport] = []
         """The followers' last reports, in rank order."""
 
-    def transport_cache(self, cache: LeaderKvCache) -> RankPins:
+    def transport_cache(self) -> RankPins:
         """The pool as rank 0's KV transport uses it: its pins are its own, not mirrored."""
-        return RankPins(cache)
+        return RankPins(self.cache)
 
     def keepalive(self) -> None:
         """After every tick: the ops recorded since the last step go out (followers hear
@@ -139,9 +139,8 @@ class TpLeader:
         self.lockstep.keepalive()
 
     def ask(self, final: bool = False) -> None:
-        """Every follower's report (free-log problems, metrics; the final one its stats
-        too). The final one, after the pools closed, keeps the last reports when the
-        group is already lost.
+        """Every follower's report (free-log problems, metrics; the final one, once the
+        pools closed, its stats too; a group already lost then keeps the last ones).
 
         Raises:
             GroupLost: a follower is gone (not at the final ask).
