@@ -36,20 +36,12 @@ from common import trace
 from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
 from common.node import WorkerBase
+from common.node.tp import kv_config
 from common.request import BadRequest, Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
-from transport import EventKind, GroupReceiver, KvReceiver, TransportConfig, transport_readings
+from transport import EventKind, GroupReceiver, KvReceiver, transport_readings
 
 logger = logging.getLogger(__name__)
-
-
-def kv_config(cfg, name: str, fingerprint: str, tp_rank: int = 0, tp_size: int = 1
-              ) -> TransportConfig:
-    """The KV receiver's settings of one decode rank."""
-    return TransportConfig(node=name, model=cfg.model, model_digest=fingerprint,
-                           tp_rank=tp_rank, tp_size=tp_size, heartbeat_s=cfg.heartbeat_s,
-                           lease_s=cfg.lease_s, handshake_timeout_s=cfg.lease_s,
-                           shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport)
 
 
 class DecodeWorker(WorkerBase):
@@ -67,7 +59,7 @@ class DecodeWorker(WorkerBase):
         # A handshake with a new prefill never holds up this loop (begin_connect): its
         # requests wait, rows held, until it answers. One silent for a lease is dead.
         self.receiver = KvReceiver(self.transport_cache(), kv_config(
-            cfg, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
+            cfg, self.role, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
             auth=self.kv_auth)
         if self.lockstep is not None:  # every rank receives its heads (transport/group.py)
             self.receiver = GroupReceiver(self.receiver, self.lockstep)

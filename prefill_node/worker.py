@@ -38,23 +38,14 @@ from common.control import ControlLink, Load, Prefilled, Req, Tokens, unpack_ids
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
 from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
-from common.node.tp import TpSpec
+from common.node.tp import TpSpec, kv_config
 from common.request import ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine
-from transport import EventKind, GroupSender, KvSender, TransportConfig, transport_readings
+from transport import EventKind, GroupSender, KvSender, transport_readings
 
 logger = logging.getLogger(__name__)
 _FORGET = 4096  # aborted-before-announce rids remembered
-
-
-def kv_config(cfg, name: str, fingerprint: str, tp_rank: int = 0, tp_size: int = 1
-              ) -> TransportConfig:
-    """The KV sender's settings of one prefill rank."""
-    return TransportConfig(node=name, model=cfg.model, model_digest=fingerprint,
-                           tp_rank=tp_rank, tp_size=tp_size, heartbeat_s=cfg.heartbeat_s,
-                           lease_s=cfg.lease_s, shared_memory=cfg.shared_memory,
-                           kv_transport=cfg.kv_transport, require_capability=True)
 
 
 class PrefillWorker(WorkerBase):
@@ -93,7 +84,7 @@ class PrefillWorker(WorkerBase):
         self.prefix_reuse = PrefixReuse(self.offloader, host_salt(cfg, cache),
                                         cfg.prefix_load_timeout_s) if self.offloader else None
         self.sender = KvSender(self.transport_cache(), self.kv_bind, kv_config(
-            cfg, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
+            cfg, self.role, name, self.runner.fingerprint, *self.tp_rank_size()), ctx=self.ctx,
             auth=self.kv_auth)
         if self.lockstep is not None:  # every rank sends its heads (transport/group.py)
             self.sender = GroupSender(self.sender, self.lockstep,

@@ -319,3 +319,40 @@ def test_shared_memory_pool_is_visible_to_a_process_that_maps_it():
         from common.kv import SharedTensor
 
         SharedTensor((1,), torch.float32, name=name, token=token)
+
+
+def test_extend_with_given_pages_takes_exactly_those_or_changes_nothing(tmp_path):
+    """A tensor-parallel follower takes the page ids rank 0 chose (``extend(..., pages)``):
+    free ones in any order of its free list; a page owned here, pinned here (freed but its
+    pin still held) or listed twice is refused, named, and nothing changes."""
+    from common.freelog import replay_file
+
+    cache = KvCache(16, 4, log_path=tmp_path / "f.freelog")
+    a, b = cache.open_row("a"), cache.open_row("b")
+    cache.extend(a, 6, np.array([5, 2], np.int32))  # not what the free list would hand out
+    assert pages(cache, a, 0, 6) == [5, 2]
+    cache.extend(a, 2, np.empty(0, np.int32))       # page 2 has room: no new page
+    cache.extend(b, 4)
+    assert pages(cache, b, 0, 4) == [1]             # the free list skipped the taken pages
+    pin = cache.pin(a, 0, 4, reason="receive")
+    cache.free_kv_row(a, [(0, 8)], reason="aborted")  # page 5 pending until the unpin
+    before = cache.num_free_pages()
+    c = cache.open_row("c")
+    for given, why in (([5], "page 5 is pinned here"), ([1], "page 1 is owned by 'b'"),
+                       ([3, 3], "listed twice"), ([0], "page 0 is reserved"),
+                       ([20], "outside the pool")):
+        with pytest.raises(ValueError, match=why):
+            cache.extend(c, 4 * len(given), np.array(given, np.int32))
+        assert c.allocated_len == 0 and cache.num_free_pages() == before
+    with pytest.raises(ValueError, match="2 page ids given for 1 new pages"):
+        cache.extend(c, 4, np.array([3, 4], np.int32))
+    cache.unpin(pin)
+    cache.extend(c, 4, np.array([5], np.int32))    # back on the free list: taken
+    for kv, end in ((b, 4), (c, 4)):
+        cache.free_kv_row(kv, [(0, end)], reason="finished")
+        cache.close_row(kv)
+    cache.close_row(a)
+    cache.check_integrity()
+    cache.close()
+    report = replay_file(tmp_path / "f.freelog")
+    assert report.ok and not report.warnings, report.format()

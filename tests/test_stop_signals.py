@@ -19,7 +19,7 @@ from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import ModelRunner, get_config
 from common.node import WorkerBase, stop_signals
-from common.node.tp import LeaderKvCache, Lockstep, Mirror
+from common.node.tp import LeaderKvCache, Lockstep, Mirror, TpLeader
 from common.parallel import TpGroup
 from tests.fakes import FakeLink
 
@@ -64,10 +64,10 @@ class Leader(WorkerBase):
         self.tmp_path, self.group, self.ticks = tmp_path, group, 0
 
     def build(self) -> None:
-        self.lockstep = Lockstep(self.group)
         self.cache = LeaderKvCache(64, 4, layout=CFG.kv_layout(True),
                                    log_path=self.tmp_path / "p0.freelog", node="p0",
-                                   lockstep=self.lockstep)
+                                   lockstep=Lockstep(self.group))
+        self.tp = TpLeader(self.cache)
 
     def tick(self) -> bool:
         self.ticks += 1

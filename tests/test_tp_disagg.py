@@ -12,6 +12,7 @@ collective, and the decode frees the rows of the requests it lost with ``peer_lo
 
 from __future__ import annotations
 
+import random
 import re
 import time
 from dataclasses import replace
@@ -243,3 +244,48 @@ def _check_decode_freed(path, failed: set[str]) -> None:
     assert frees, "no failed request had reached the decode: the check cannot fail"
     assert {reason for _, reason in frees} <= {"peer_lost", "aborted"}, frees
     assert len({rid for rid, _ in frees}) == len(frees), frees  # each freed once
+
+
+def test_aborts_at_random_moments_in_tp_groups_lose_no_group_and_leak_nothing(tmp_path):
+    """P TP2 -> D TP2 with client aborts landing queued, prefilling, transferring and
+    decoding: every rank's transport lets go of an aborted transfer's pages at its own
+    pace, and each follower takes rank 0's page ids whatever order its own pool freed
+    them in. No group is lost (every request ends with its length or aborted, every
+    process exits 0), the requests not aborted are exact, and every rank's logs replay
+    clean with rank 0's pages."""
+    cfg = replace(CFG, prefill_tp=2, decode_tp=2, offload=False, decode_pages=200,
+                  chunk_size=8, max_prefill_tokens=16)
+    spec = WorkloadSpec(requests=24, seed=11, rate=0.0, prompt_len=(100, 300),
+                        output_len=(20, 60))
+    reqs = make_workload(spec, cfg.model_config().vocab_size)
+    rng = random.Random(5)
+    aborts = {r.rid: rng.uniform(0.0, 2.5) for r in reqs if rng.random() < 0.6}
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path))
+    try:
+        cluster.start()
+        results = drive(cluster.client, reqs, aborts=aborts, check=cluster.check,
+                        timeout_s=120, lease_s=cfg.lease_s)
+    finally:
+        cluster.stop()
+    cluster.check_exit_codes()
+    reasons = {r.reason for r in results.values()}
+    assert reasons <= {"length", "aborted"}, {rid: (r.reason, r.error)
+                                              for rid, r in results.items()}
+    assert sum(r.reason == "aborted" for r in results.values()) >= 3
+    model = Model(cfg.model_config())
+    for r in reqs:
+        if results[r.rid].reason == "length":
+            assert results[r.rid].output_ids == generate_greedy(
+                model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+    for worker in ("prefill0", "decode0"):
+        _check_device_logs(tmp_path, worker, 2)
+
+
+def _check_device_logs(log_dir, worker: str, tp: int) -> None:
+    """Every rank's device log replays clean, a follower's with rank 0's allocations."""
+    allocs0 = _allocs(log_dir / f"{worker}.freelog")[1]
+    for rank in range(tp):
+        path = log_dir / f"{_rank(worker, rank)}.freelog"
+        report = replay_file(path)
+        assert report.ok and not report.warnings, (path.name, report.format())
+        assert _allocs(path)[1] == allocs0, path.name

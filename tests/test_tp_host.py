@@ -95,7 +95,7 @@ def test_a_follower_stores_loads_and_evicts_rank_0s_host_pages(tmp_path, model):
     assert torch.equal(off.host.data[host_pages], mirror.host.host.data[host_pages])
     assert off.host.data[host_pages].abs().sum() > 0
     rows = cache.pages(b, 0, 8).tolist()
-    assert rows == mirror.cache.pages(mirror.rows["b"], 0, 8).tolist()
+    assert rows == mirror.cache.pages(mirror.kv.rows["b"], 0, 8).tolist()
     assert torch.equal(mirror.runner.data[rows], runner.data[rows])  # loaded on both ranks
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in
                RankMetrics("colocated", mirror.cache, None, mirror.host).metrics.collect()

@@ -111,6 +111,44 @@ class PageAllocator:
             self._log.alloc(self.name, pages, owner)
         return pages
 
+    def take(self, pages: np.ndarray, owner: str) -> np.ndarray:
+        """Hand exactly ``pages`` to ``owner``: a tensor-parallel follower takes the page ids
+        rank 0's allocator chose (the same pages, whatever order this pool freed them in).
+
+        Raises:
+            ValueError: a page is not free here (owned, pinned by this process's own I/O,
+                reserved) or is listed twice; named with its state; nothing changed.
+        """
+        pages = np.asarray(pages, dtype=np.int32)
+        n = len(pages)
+        if not np.array_equal(self._stack[self._top - n:self._top][::-1], pages):
+            # freed in another order here (pins of this process's own I/O): take them out
+            on_stack = self._stack[:self._top]
+            keep = ~np.isin(on_stack, pages)
+            if len(on_stack) - np.count_nonzero(keep) != n or len(np.unique(pages)) != n:
+                raise ValueError(f"cannot take pages {pages.tolist()} of pool {self.name!r}: "
+                                 f"{self._not_free(pages)}")
+            self._stack[:self._top - n] = on_stack[keep]
+        self._top -= n
+        self._owner_of[pages] = self.owner_id(owner)
+        self.counters.record("alloc", n)
+        if self._log is not None:
+            self._log.alloc(self.name, pages, owner)
+        return pages
+
+    def _not_free(self, pages: np.ndarray) -> str:
+        for page in map(int, pages):
+            if not 0 <= page < self.num_pages:
+                return f"page {page} is outside the pool"
+            owner = int(self._owner_of[page])
+            held = "reserved" if owner == RESERVED else f"owned by {self.owner_name(page)!r}"
+            if self._pin_count[page]:
+                return (f"page {page} is pinned here ({self._pin_count[page]} pin(s)), "
+                        + ("freed, back at its last unpin" if owner == FREE else held))
+            if owner != FREE:
+                return f"page {page} is {held}"
+        return "a page is listed twice"
+
     def free(self, pages: np.ndarray, owner: str, reason: FreeReason | str,
              ranges: list[tuple[int, int]] | None = None) -> None:
         """``owner`` gives ``pages`` back (checked by the caller); pinned ones become pending.

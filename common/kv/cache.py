@@ -132,12 +132,16 @@ class KvCache:
             kv = self._records[owner] = KvRecord(owner=owner, row=row)
             return kv
 
-    def extend(self, kv: KvRecord, num_tokens: int) -> None:
+    def extend(self, kv: KvRecord, num_tokens: int, pages: np.ndarray | None = None) -> None:
         """Give ``kv`` slots for positions ``[allocated_len, allocated_len + num_tokens)``.
+
+        ``pages``: the exact page ids to take for the new pages (a tensor-parallel
+        follower takes rank 0's); each must be free here. Not with a sliding-window pool.
 
         Raises:
             OutOfPages: a pool has too few free pages; nothing changed.
-            ValueError: the row would pass ``max_row_len``; nothing changed.
+            ValueError: the row would pass ``max_row_len``, or a page of ``pages`` is not
+                free here or their count is not the pages needed; nothing changed.
         """
         with self._lock:
             self._check_open(kv)
@@ -152,6 +156,9 @@ class KvCache:
                 raise ValueError(f"extend({kv.owner!r}): the row's last page (positions from "
                                  f"{(first - 1) * self.page_size}) was freed; lower "
                                  "allocated_len before extending the row again")
+            if pages is not None and (len(pages) != need or len(self._pools) > 1):
+                raise ValueError(f"extend({kv.owner!r}, {num_tokens}): {len(pages)} page ids "
+                                 f"given for {need} new pages (one pool only)")
             for name, pool in self._pools.items():
                 if not pool.can_allocate(need):
                     raise OutOfPages(f"{kv.owner!r} needs {need} pages of pool {name!r}, "
@@ -159,7 +166,7 @@ class KvCache:
             for name, pool in self._pools.items():
                 if need:
                     self._row_pages[name][kv.row][first:first + need] = pool.allocate(
-                        need, kv.owner)
+                        need, kv.owner) if pages is None else pool.take(pages, kv.owner)
                     self._row_held[name][kv.row][first:first + need] = True
             kv.allocated_len = new_len
 

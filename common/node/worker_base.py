@@ -55,7 +55,7 @@ from common.kv import KvCache
 from common.model import Model, ModelRunner
 from common.node import stop_signals
 from common.node.registration import RouterLost, check_deployment, register
-from common.node.tp import RankPins, TpSpec, check_draft_split, leader_cache, rank_stats
+from common.node.tp import TpLeader, TpSpec, check_draft_split, leader_cache
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
 
@@ -91,11 +91,10 @@ class WorkerBase(ABC):
                  local_models: dict[str, str] | None = None, tp: TpSpec | None = None,
                  keys: Keys | None = None, identity: str = "worker") -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
-        self.tp = tp if tp is not None and tp.size > 1 else None
-        """Rank 0 of a tensor-parallel group (common/node/tp/worker.py); None: one rank."""
-        self.lockstep = None
-        self.rank_reports: list = []
-        """The followers' last ``RankReport``s, in rank order (rank 0 of a group)."""
+        self.tp_spec = tp if tp is not None and tp.size > 1 else None
+        """Where rank 0 of a tensor-parallel group finds its ranks; None: one rank."""
+        self.tp: TpLeader | None = None
+        """Rank 0's group, once built (common/node/tp/worker.py); None: one rank."""
         # This host's copies of the checkpoints (model_path, draft_model_path) replace
         # the router's paths; the KV handshake's weights fingerprint proves they match.
         self.local_models = dict(local_models or {})
@@ -172,7 +171,7 @@ class WorkerBase(ABC):
         into it directly); ignored for device pools."""
         cfg = self.config
         check_draft_split(cfg, self.role)
-        if self.tp is not None or cfg.role_tp(self.role) > 1:
+        if self.tp_spec is not None or cfg.role_tp(self.role) > 1:
             return self._make_tp_cache(num_pages, shared_memory)
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
@@ -187,28 +186,34 @@ class WorkerBase(ABC):
 
     def _make_tp_cache(self, num_pages: int, shared_memory: bool
                        ) -> tuple[Model, KvCache, ModelRunner]:
-        if self.tp is None:
+        if self.tp_spec is None:
             raise ValueError(f"{self.name}: the deployment runs {self.role} workers with "
                              f"{self.config.role_tp(self.role)} tensor-parallel ranks; start "
                              "this one with --tp-size/--tp-rank/--tp-address")
         kv_auth = self.kv_auth.to_dict() if self.deployment else {}
-        model, cache, runner = leader_cache(self.tp, self.role, self.name, self.config,
+        model, cache, runner = leader_cache(self.tp_spec, self.role, self.name, self.config,
                                             num_pages, self.device, self.log_dir,
                                             self.config.max_rows, shared_memory=shared_memory,
                                             kv_auth=kv_auth, keys=self.keys,
                                             identity=self.identity)
-        self.cache, self.lockstep = cache, cache.lockstep
+        self.cache, self.tp = cache, TpLeader(cache)
         self.counting.watch(self.config, cache)
         return model, cache, runner
+
+    @property
+    def lockstep(self):
+        """Rank 0's lockstep (``transport.group`` wraps its KV endpoint in it); None
+        without a group."""
+        return self.tp.lockstep if self.tp is not None else None
 
     def transport_cache(self):
         """The pool as this rank's KV transport uses it: in a tensor-parallel group its
         pins are this rank's own (``RankPins``), not mirrored to the other ranks."""
-        return RankPins(self.cache) if self.lockstep is not None else self.cache
+        return self.tp.transport_cache() if self.tp is not None else self.cache
 
     def tp_rank_size(self) -> tuple[int, int]:
         """(rank, size) of this worker's tensor-parallel group: (0, 1) without one."""
-        return (0, self.tp.size) if self.tp is not None else (0, 1)
+        return (0, self.tp_spec.size) if self.tp_spec is not None else (0, 1)
 
     # -- loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -229,8 +234,8 @@ class WorkerBase(ABC):
         try:
             with stop_signals.held():  # a SIGTERM never cuts a step (or its broadcast) in two
                 busy = self.tick()
-                if self.lockstep is not None:
-                    self.lockstep.keepalive()  # followers hear from rank 0 all the same
+                if self.tp is not None:
+                    self.tp.keepalive()
                 self._heartbeat()  # a group lost meanwhile is handled as in tick
             return busy
         except GroupLost as exc:  # a rank died: the whole group goes, its requests fail
@@ -333,24 +338,19 @@ class WorkerBase(ABC):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + self.config.heartbeat_s
-            self._ask_ranks()
+            if self.tp is not None:
+                self.tp.ask()
             self._check_free_logs()
             load = replace(self.load(), paused=self.paused)
             self.link.send(load)
             self._report(load)
-
-    def _ask_ranks(self, final: bool = False) -> None:
-        """Rank 0 of a group: every follower's report (free-log problems, metrics; the
-        final one its stats too), kept for the checks and reports that follow."""
-        if self.lockstep is not None:
-            self.rank_reports = self.lockstep.health(final)
 
     def _check_free_logs(self) -> None:
         """While a free log cannot write, admit nothing new (the router stops routing here
         on the next ``Load``) or exit, by ``freelog_on_error`` (docs/freelog.md). In a
         tensor-parallel group that is any rank's log (rank 0 asks its followers)."""
         failing = [h.summary() for h in log_problems() if not h.ok]
-        failing += [r.problems for r in self.rank_reports if r.problems]  # followers'
+        failing += self.tp.problems() if self.tp is not None else []  # followers'
         why = "; ".join(failing)
         if failing and self.config.freelog_on_error == "exit":
             raise FreeLogFailed(f"{self.name}: exiting (freelog_on_error=exit): {why}")
@@ -369,17 +369,9 @@ class WorkerBase(ABC):
 
     def _report(self, load: Load | None, final: bool = False) -> None:
         """This process's metrics to the router (every heartbeat, and last at close)."""
-        ranks = [r.metrics for r in self.rank_reports]  # a group's: labelled by rank
+        ranks = self.tp.metrics() if self.tp is not None else []  # labelled by rank
         if (report := self.counting.report(self.name, load, final, ranks)) is not None:
             self.link.send(report)
-
-    def _last_ask_ranks(self) -> None:
-        """The followers' final reports, once their pools closed too (the step carries
-        rank 0's close): a group already lost keeps the last ones it had."""
-        try:
-            self._ask_ranks(final=True)
-        except GroupLost as exc:
-            logger.warning("%s: the followers' final figures are missing: %s", self.name, exc)
 
     def _final_load(self) -> Load | None:
         """The queues as they are at the end (None: parts already closed)."""
@@ -447,12 +439,12 @@ class WorkerBase(ABC):
             if self.built:
                 self.built = False
                 self.shutdown()
-                self._last_ask_ranks()
-                if self.lockstep is not None:
-                    self.lockstep.stop()  # after the pool's close: the ranks close theirs
+                if self.tp is not None:  # the followers' last reports, then their close
+                    self.tp.ask(final=True)
+                    self.tp.stop()
                 self._report(self._final_load(), final=True)
                 self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats(),
-                                                 **rank_stats(self.rank_reports)}))
+                                                 **(self.tp.stats() if self.tp else {})}))
         finally:
             if self.link is not None:
                 self.link.close_after(_FAREWELL_S)

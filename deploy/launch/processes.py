@@ -75,7 +75,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     if tp.rank > 0:  # a follower: no router; the group's socket and its KV transport
         try:
-            return run_follower(tp, name, args.device, args.log_dir, _rank_transfer,
+            return run_follower(tp, name, args.device, args.log_dir,
                                 getattr(args, "kv_bind", ""), getattr(args, "kv_advertise", ""),
                                 keys=_keys(args), identity=args.identity)
         except (KeyboardInterrupt, SystemExit) as exc:
@@ -104,15 +104,6 @@ def run_worker(args: argparse.Namespace) -> int:
         return 1
     logger.info("%s: clean shutdown", name)
     return 0
-
-
-def _rank_transfer(setup):
-    """A disaggregated follower rank's KV transport, by its worker's role."""
-    if setup.role == "prefill":
-        from prefill_node.tp_rank import prefill_rank
-        return prefill_rank(setup)
-    from decode_node.tp_rank import decode_rank
-    return decode_rank(setup)
 
 
 def _build(args: argparse.Namespace, name: str, tp=None):

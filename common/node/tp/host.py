@@ -38,7 +38,7 @@ from common.control import pack_ids, unpack_ids
 from common.freelog import freelog_file
 from common.host import CACHE_OWNER, CopyEngine, CopyJob, HostTier
 from common.kv import KvCache, copy_pages
-from common.node.tp import Lockstep, TpKvOp
+from common.node.tp.lockstep import Lockstep, TpKvOp
 
 
 class LeaderHostTier(HostTier):
@@ -164,6 +164,7 @@ class HostMirror:
         if not self.closed:
             self.host.close()
             self.closed = True
+
 
 def follower_host(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | None,
                   name: str, node: str) -> HostMirror | None:

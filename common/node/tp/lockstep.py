@@ -4,12 +4,13 @@ Rank 0 (the leader) is the whole worker: it registers with the router, schedules
 allocates, samples. Ranks 1.. (followers) hold their shard of the model (``TpModel``) and
 a ``KvCache`` of their own (their KV heads, their own free log) and run no scheduler.
 Before each forward pass the leader broadcasts one ``TpStep``: every change it made to
-its cache since the last step (``TpKvOp``: rows opened, extended, committed, freed,
-pinned, ...) and the pass itself (which rows, from which position, which tokens). A
-follower applies the ops to its own cache, so a request's page ids are the same on every
-rank (decided by rank 0; a follower whose allocator hands out other pages raises
-``GroupLost`` at once instead of computing over the wrong slots), then runs the same pass;
-the passes' all-reduces pair up because every rank runs them in the same order.
+its pools since the last step (``TpKvOp``: rows opened, extended, committed, freed,
+pinned, ...; ``cache.py``, ``host.py``), every call that starts or stops a transfer
+(``x_*``, ``transport.group``) and the pass itself (which rows, from which position,
+which tokens). A follower (``mirror.py``) applies the ops to its own pools, taking the
+page ids rank 0 chose (a page that is not free on its rank raises ``GroupLost`` at once
+instead of computing over slots still in use), then runs the same pass; the passes'
+all-reduces pair up because every rank runs them in the same order.
 
 Nothing exchanged is sized by a rank's own state: the step is one ``broadcast_bytes``
 (a fixed header announcing the size, then the bytes), sent by rank 0 only. Sampling
@@ -26,15 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
 from common.control import Codec, DecodeError, pack_ids
-from common.kv import KvCache, KvRecord
-from common.model import BatchItem, ModelRunner
+from common.model import BatchItem
 from common.parallel import GroupLost, TpGroup
 
 logger = logging.getLogger(__name__)
@@ -106,10 +108,20 @@ payload is bounded by the protocol, not by what a rank happens to hold."""
 CODEC = Codec(TpKvOp, TpStep, max_bytes=256 << 20)
 OP_CODEC = Codec(TpKvOp)
 REPORT_CODEC = Codec(RankReport, max_bytes=MAX_REPORT_BYTES)
+_OP_FIELDS = [(f.name, f.default_factory() if callable(f.default_factory) else f.default)
+              for f in fields(TpKvOp)]
 
 
-def _counters(kv: KvRecord) -> list[int]:
-    return [kv.allocated_len, kv.committed_len, kv.swa_evicted_seqlen, kv.protected_len]
+def encode_op(op: TpKvOp) -> bytes:
+    """``OP_CODEC.encode`` without the fields left at their defaults (most of an op's),
+    which ``OP_CODEC.decode`` fills in: a third less to decode on every follower, for
+    every op of every step."""
+    body = {"t": "TpKvOp", "op": op.op}
+    for name, default in _OP_FIELDS[1:]:
+        value = getattr(op, name)
+        if value != default:
+            body[name] = value
+    return msgpack.packb(body, use_bin_type=True)
 
 
 class Lockstep:
@@ -129,51 +141,30 @@ class Lockstep:
 
     def record(self, op: TpKvOp) -> None:
         if self.lost is None:
-            self._ops.append(OP_CODEC.encode(op))
+            self._ops.append(encode_op(op))
 
     def send(self, step_kind: str, batch: Sequence[BatchItem] = (), draft: bool = False
              ) -> None:
         """Broadcast the ops so far and the next pass (``batch``) to every follower."""
-        if self.lost is not None:
-            raise GroupLost(f"tp group already lost: {self.lost}")
-        with self._lock:
-            ops, self._ops, self._urgent = self._ops, [], False
-        step = TpStep(step_kind, ops, draft, [b.kv.owner for b in batch],
-                      [b.start for b in batch], [b.num_tokens for b in batch],
-                      pack_ids(np.concatenate([_ids(b.token_ids) for b in batch]))
-                      if batch else b"")
-        try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(step))
-        except GroupLost as exc:
-            self.lost = exc
-            raise
-        self._last = time.monotonic()
+        self._exchange(lambda ops: TpStep(
+            step_kind, ops, draft, [b.kv.owner for b in batch], [b.start for b in batch],
+            [b.num_tokens for b in batch],
+            pack_ids(np.concatenate([_ids(b.token_ids) for b in batch])) if batch else b""))
 
     def record_transfer(self, op: str, rid: str, **fields) -> None:
         """A transfer op (``x_expect``, ``x_send``, ``x_finish``, ``x_announce``,
-        ``x_abort``): each follower repeats it on its own KV transport (``RankTransfer``),
-        after the cache ops recorded before it."""
+        ``x_abort``): each follower repeats it on its own KV endpoint (``RankSender``,
+        ``RankReceiver``), after the cache ops recorded before it."""
         self.record(TpKvOp(op, rid, **fields))
         self._urgent = True
 
     def agree(self, rids: Sequence[str], mine: Sequence[int]) -> list[int]:
         """Ask every rank for its status of each of ``rids`` (rank 0's is ``mine``); returns
         the minimum over the ranks, rid by rid. The count travels in the step first, so
-        every rank's all-reduce has the same shape (``RankTransfer.status`` gives a
-        follower's)."""
-        if self.lost is not None:
-            raise GroupLost(f"tp group already lost: {self.lost}")
-        with self._lock:
-            ops, self._ops, self._urgent = self._ops, [], False
-        try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("agree", ops,
-                                                                     owners=list(rids))))
-            verdicts = self.group.all_min(list(mine))
-        except GroupLost as exc:
-            self.lost = exc
-            raise
-        self._last = time.monotonic()
-        return verdicts
+        every rank's all-reduce has the same shape (a follower's endpoint gives its own
+        ``status``)."""
+        return self._exchange(lambda ops: TpStep("agree", ops, owners=list(rids)),
+                              lambda: self.group.all_min(list(mine)))
 
     def health(self, final: bool = False) -> list[RankReport]:
         """Each follower's ``RankReport`` (free-log problems, metrics; ``final``: stats
@@ -181,19 +172,27 @@ class Lockstep:
         every rank knows the shape; each payload at most ``MAX_REPORT_BYTES``). Rank 0
         pauses admission on the problems as on its own and reports the metrics labelled
         by rank (``WorkerBase``). A report that does not decode counts as a problem."""
+        got = self._exchange(lambda ops: TpStep("health", ops, final=final),
+                             lambda: self.group.gather_bytes(b""))
+        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
+
+    def _exchange(self, step: Callable[[list[bytes]], TpStep],
+                  answer: Callable[[], Any] | None = None) -> Any:
+        """Broadcast the step ``step`` builds around the ops so far, then the collective
+        every rank answers it with (``answer``); its result. The first failure loses the
+        group for good."""
         if self.lost is not None:
             raise GroupLost(f"tp group already lost: {self.lost}")
         with self._lock:
             ops, self._ops, self._urgent = self._ops, [], False
         try:
-            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(TpStep("health", ops,
-                                                                     final=final)))
-            got = self.group.gather_bytes(b"")
+            self.group.broadcast_bytes(TAG_STEP, CODEC.encode(step(ops)))
+            got = answer() if answer is not None else None
         except GroupLost as exc:
             self.lost = exc
             raise
         self._last = time.monotonic()
-        return [_report(rank, raw) for rank, raw in enumerate(got[1:], 1)]
+        return got
 
     def keepalive(self) -> None:
         """Called after every tick: the ops recorded since the last step go out at once
@@ -210,6 +209,16 @@ class Lockstep:
             except GroupLost:
                 logger.warning("tp: a follower was gone at shutdown")
         self.group.close()
+
+
+def read_step(frame: bytes) -> tuple[TpStep, list[TpKvOp]]:
+    """A step as a follower receives it, and its ops in order.
+
+    Raises:
+        DecodeError: the frame or an op does not decode.
+    """
+    step = CODEC.decode(frame)
+    return step, [OP_CODEC.decode(raw) for raw in step.ops]
 
 
 def _report(rank: int, raw: bytes) -> RankReport:
@@ -234,134 +243,3 @@ def _ids(token_ids) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         return token_ids.cpu().numpy().astype(np.int32)
     return np.asarray(token_ids, dtype=np.int32)
-
-
-class LeaderKvCache(KvCache):
-    """Rank 0's cache: a ``KvCache`` that tells ``lockstep`` every change it makes."""
-
-    def __init__(self, *args, lockstep: Lockstep, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.lockstep = lockstep
-        self._jlock = threading.RLock()  # one op recorded in the order it was applied
-
-    def _rec(self, op: str, kv: KvRecord | None = None, before: list[int] | None = None,
-             **kw) -> None:
-        self.lockstep.record(TpKvOp(op, kv.owner if kv else kw.pop("owner", ""),
-                                    before or [], **kw))
-
-    def open_row(self, owner: str) -> KvRecord:
-        with self._jlock:
-            kv = super().open_row(owner)
-            self._rec("open", owner=owner)
-            return kv
-
-    def extend(self, kv: KvRecord, num_tokens: int) -> None:
-        with self._jlock:
-            before = _counters(kv)
-            first = -(-kv.allocated_len // self.page_size)
-            super().extend(kv, num_tokens)
-            last = -(-kv.allocated_len // self.page_size)
-            new = self.pages(kv, first * self.page_size, kv.allocated_len) \
-                if last > first else np.empty(0, np.int32)
-            self._rec("extend", kv, before, n=num_tokens, pages=pack_ids(new))
-
-    def commit(self, kv: KvRecord, num_tokens: int) -> None:
-        with self._jlock:
-            before = _counters(kv)
-            super().commit(kv, num_tokens)
-            self._rec("commit", kv, before, n=num_tokens)
-
-    def close_row(self, kv: KvRecord) -> None:
-        with self._jlock:
-            before = _counters(kv)
-            super().close_row(kv)
-            self._rec("close_row", owner=kv.owner, before=before)
-
-    def free_kv_row(self, kv: KvRecord, ranges: Iterable[Sequence[int]], *,
-                    reason="finished") -> None:
-        ranges = [tuple(r) for r in ranges]
-        with self._jlock:
-            before = _counters(kv)
-            super().free_kv_row(kv, ranges, reason=reason)
-            self._rec("free", kv, before, ranges=[int(x) for r in ranges for x in r],
-                      text=str(getattr(reason, "value", reason)))
-
-    def evict_window(self, kv: KvRecord, upto: int) -> None:
-        with self._jlock:
-            before = _counters(kv)
-            super().evict_window(kv, upto)
-            self._rec("evict", kv, before, n=upto)
-
-    def handoff(self, kv: KvRecord, end: int, to: str) -> None:
-        with self._jlock:
-            before = _counters(kv)
-            super().handoff(kv, end, to)
-            self._rec("handoff", kv, before, n=end, text=to)
-
-    def free_pages(self, owner: str, pages: np.ndarray, *, reason, pool: str = "full") -> None:
-        with self._jlock:
-            super().free_pages(owner, pages, reason=reason, pool=pool)
-            self._rec("free_pages", owner=owner, pages=pack_ids(np.asarray(pages, np.int32)),
-                      text=str(getattr(reason, "value", reason)), pool=pool)
-
-    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
-        with self._jlock:
-            before = _counters(kv)
-            pin_id = super().pin(kv, start, end, reason=reason)
-            self._rec("pin", kv, before, n=start, m=end, ranges=[pin_id], text=reason)
-            return pin_id
-
-    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
-        with self._jlock:
-            pin_id = super().pin_pages(pages, reason=reason, pool=pool)
-            self._rec("pin_pages", pages=pack_ids(np.asarray(pages, np.int32)), text=reason,
-                      pool=pool, ranges=[pin_id])
-            return pin_id
-
-    def unpin(self, pin_id: int) -> None:
-        with self._jlock:
-            super().unpin(pin_id)
-            self._rec("unpin", n=pin_id)
-
-    def close(self, retained: Sequence[str] = ()) -> None:
-        with self._jlock:
-            super().close(retained)
-            self._rec("close", retained=list(retained))
-
-
-class RankPins:
-    """Rank 0's cache as its KV transport sees it: the transport's pins are this rank's
-    alone (each rank's transport pins its own pages, at its own pace), so they are not
-    recorded for the followers; everything else is the cache itself."""
-
-    def __init__(self, cache: LeaderKvCache) -> None:
-        self._cache = cache
-
-    def __getattr__(self, name: str):
-        return getattr(self._cache, name)
-
-    def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
-        return KvCache.pin_pages(self._cache, pages, reason=reason, pool=pool)
-
-    def unpin(self, pin_id: int) -> None:
-        KvCache.unpin(self._cache, pin_id)
-
-    def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
-        return KvCache.pin(self._cache, kv, start, end, reason=reason)
-
-
-class LeaderRunner(ModelRunner):
-    """Rank 0's runner: each pass is announced to the followers, then run with them."""
-
-    def __init__(self, model, cache: LeaderKvCache, draft=None) -> None:
-        super().__init__(model, cache, draft)
-        self.lockstep = cache.lockstep
-
-    def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
-        self.lockstep.send("forward", batch, draft)
-        return super().forward(batch, draft=draft)
-
-    def forward_all(self, batch: list[BatchItem], *, draft: bool = False
-                    ) -> list[torch.Tensor]:
-        self.lockstep.send("forward_all", batch, draft)
-        return super().forward_all(batch, draft=draft)

@@ -20,18 +20,20 @@ import logging
 
 from common.kv import KvCache
 from common.metrics import NodeMetrics, host_readings, pack, watch_host
-from common.node.tp import HostMirror, RankReport, RankTransfer
+from common.node.tp.host import HostMirror
+from common.node.tp.lockstep import RankReport
 from common.node.worker_metrics import count_transfer
+from transport import RankReceiver, RankSender
 
 logger = logging.getLogger(__name__)
 
 
 class RankMetrics:
     """A follower's ``NodeMetrics``: its device pool, its host tier and copies (``host``, a
-    ``HostMirror``), its KV transport's counters and data paths, and the transfers
+    ``HostMirror``), its KV endpoint's counters and data paths, and the transfers
     completed on this rank."""
 
-    def __init__(self, role: str, cache: KvCache, transfer: RankTransfer | None,
+    def __init__(self, role: str, cache: KvCache, endpoint: RankSender | RankReceiver | None,
                  host: HostMirror | None = None) -> None:
         self.metrics = NodeMetrics(role)
         self.metrics.watch_pools("device", cache.pool_stats)
@@ -39,10 +41,10 @@ class RankMetrics:
         if host is not None:
             page_bytes = cache.layout.page_bytes(cache.page_size)
             self.metrics.read(lambda: host_readings(host, page_bytes))
-        self.transfer = transfer
+        self.endpoint = endpoint
         self.totals = {"transfers_completed": 0, "transfer_pages": 0, "transfer_bytes": 0}
-        if transfer is not None:
-            self.metrics.read(transfer.readings)
+        if endpoint is not None:
+            self.metrics.read(endpoint.readings)
 
     def report(self, problems: str, final: bool) -> RankReport:
         """This rank's report for a ``health`` step (metrics never fail the step)."""
@@ -55,9 +57,9 @@ class RankMetrics:
         return RankReport(problems, metrics, self.stats() if final else {})
 
     def _count(self) -> None:
-        if self.transfer is None:
+        if self.endpoint is None:
             return
-        for direction, pages, nbytes, seconds, path in self.transfer.take_completed():
+        for direction, pages, nbytes, seconds, path in self.endpoint.take_completed():
             count_transfer(self.metrics, direction, pages, nbytes, seconds, path)
             self.totals["transfers_completed"] += 1
             self.totals["transfer_pages"] += pages
@@ -67,8 +69,8 @@ class RankMetrics:
         """This rank's final counters: its completed transfers, and every byte its
         transport moved (``bytes_sent``/``bytes_recv``, as rank 0's stats say)."""
         out: dict[str, float] = dict(self.totals)
-        if self.transfer is not None:
-            for name, labels, value in self.transfer.readings():
+        if self.endpoint is not None:
+            for name, labels, value in self.endpoint.readings():
                 if name == "pdkv_transfer_bytes_total":
                     key = "bytes_sent" if labels["direction"] == "sent" else "bytes_recv"
                     out[key] = value

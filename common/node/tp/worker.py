@@ -30,7 +30,6 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -42,18 +41,14 @@ from common.control import wait_any
 from common.freelog import freelog_file
 from common.kv import KvCache
 from common.model import ModelRunner, TpModel
-from common.node.tp import (
-    TAG_CONFIG,
-    TAG_STEP,
-    LeaderKvCache,
-    LeaderRunner,
-    Lockstep,
-    Mirror,
-    RankTransfer,
-    follower_host,
-)
-from common.node.tp.metrics import RankMetrics
+from common.node.tp.cache import LeaderKvCache, RankPins
+from common.node.tp.endpoints import follower_endpoint
+from common.node.tp.host import follower_host
+from common.node.tp.lockstep import TAG_CONFIG, TAG_STEP, Lockstep, RankReport
+from common.node.tp.metrics import RankMetrics, rank_stats
+from common.node.tp.mirror import LeaderRunner, Mirror
 from common.parallel import GroupLost, TpGroup
+from transport import RankReceiver, RankSender
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +81,7 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
     """Rank 0: join the group, hand the others the config, build this rank's shard.
 
     ``kv_auth``: the KV plane's credentials from the router (``PlaneAuth.to_dict``),
-    which the followers' transports present too. They never cross the group's own
+    which the followers' endpoints present too. They never cross the group's own
     connection, which authenticates nothing: rank 0 offers them on a CURVE socket that
     only ``identity``'s key (from ``keys``, the one every rank runs with) may reach
     (``common.auth.handoff``); the group's setup carries the offer's address.
@@ -111,10 +106,9 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
         except TimeoutError as exc:
             raise GroupLost(f"{name}: {exc}") from None
     model, draft = _models(config, group, device)
-    lockstep = Lockstep(group)
     cache = LeaderKvCache(num_pages, config.page_size, layout=_layout(config, model),
                           device=device, log_path=freelog_path(log_dir, name, 0), node=name,
-                          max_rows=max_rows, lockstep=lockstep, shared_memory=shared)
+                          max_rows=max_rows, lockstep=Lockstep(group), shared_memory=shared)
     return model, cache, LeaderRunner(model, cache, draft)
 
 
@@ -123,6 +117,56 @@ def _offer(spec: TpSpec, keys: Keys | None, identity: str) -> SecretOffer:
     if keys is None:
         raise ValueError("KV-plane credentials without a key directory to hand them on with")
     return SecretOffer(keys, identity, urlparse(spec.address).hostname or "127.0.0.1")
+
+
+class TpLeader:
+    """Rank 0's group as its worker (``WorkerBase``) uses it, once its pool is built
+    (``leader_cache``): followers kept in step, asked for their reports at every
+    heartbeat, stopped after the pool closed."""
+
+    def __init__(self, cache: LeaderKvCache) -> None:
+        self.cache, self.lockstep = cache, cache.lockstep
+        self.reports: list[RankReport] = []
+        """The followers' last reports, in rank order."""
+
+    def transport_cache(self) -> RankPins:
+        """The pool as rank 0's KV transport uses it: its pins are its own, not mirrored."""
+        return RankPins(self.cache)
+
+    def keepalive(self) -> None:
+        """After every tick: the ops recorded since the last step go out (followers hear
+        from rank 0 all the same)."""
+        self.lockstep.keepalive()
+
+    def ask(self, final: bool = False) -> None:
+        """Every follower's report (free-log problems, metrics; the final one, once the
+        pools closed, its stats too; a group already lost then keeps the last ones).
+
+        Raises:
+            GroupLost: a follower is gone (not at the final ask).
+        """
+        try:
+            self.reports = self.lockstep.health(final)
+        except GroupLost as exc:
+            if not final:
+                raise
+            logger.warning("the followers' final figures are missing: %s", exc)
+
+    def problems(self) -> list[str]:
+        """The followers' free logs that cannot write (rank 0 pauses admission on them)."""
+        return [r.problems for r in self.reports if r.problems]
+
+    def metrics(self) -> list[bytes]:
+        """The followers' packed metric families, in rank order (labelled by rank)."""
+        return [r.metrics for r in self.reports]
+
+    def stats(self) -> dict:
+        """The followers' final counters, ``tp<r>.<counter>``."""
+        return rank_stats(self.reports)
+
+    def stop(self) -> None:
+        """After rank 0's pool closed: the last step, the followers close theirs."""
+        self.lockstep.stop()
 
 
 def _models(config: ServeConfig, group: TpGroup, device: str) -> tuple[TpModel, TpModel | None]:
@@ -163,27 +207,6 @@ def check_draft_split(config: ServeConfig, role: str) -> None:
             f"values) are narrower than the target's ({target.kv_size}), so prefill_tp="
             f"{config.prefill_tp} and decode_tp={config.decode_tp} must be equal (or use "
             "a draft as wide as the target, the built-in draft layers, or n-gram)")
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What a follower's KV transport is built from (``run_follower``'s ``transfers``)."""
-
-    role: str
-    name: str
-    rank: int
-    size: int
-    config: ServeConfig
-    cache: KvCache
-    fingerprint: str
-    kv_auth: dict
-    kv_bind: str = ""
-    kv_advertise: str = ""
-
-
-TransferFactory = Callable[[RankSetup], tuple[RankTransfer, str]]
-"""Builds a follower's transport for its role; returns it and the KV address it
-advertises ("" when decodes do not connect to it)."""
 
 
 def _on_signals() -> list[float]:
@@ -227,13 +250,13 @@ class FollowerWait:
 
     def __call__(self, wake_fd: int, left_s: float) -> None:
         self.check_signalled()
-        transfer = self.mirror.transfer
-        if transfer is None:
+        endpoint = self.mirror.endpoint
+        if endpoint is None:
             wait_any([wake_fd], min(left_s, _SIGNAL_WAIT_S))
             return
-        wait_any([*transfer.sockets(), wake_fd],
-                 min(left_s, transfer.poll_within() or _TRANSPORT_WAIT_S))
-        transfer.poll(0)
+        wait_any([*endpoint.sockets(), wake_fd],
+                 min(left_s, endpoint.poll_within() or _TRANSPORT_WAIT_S))
+        endpoint.poll(0)
 
     def check_signalled(self) -> None:
         if self.asked and time.monotonic() - self.asked[0] > self.grace:
@@ -247,24 +270,19 @@ def _layout(config: ServeConfig, model: TpModel):
     return replace(config.kv_layout(), num_kv_heads=model.config.num_kv_heads)
 
 
-def gather_kv_addresses(group: TpGroup, mine: str) -> list[str]:
-    """Every rank's advertised KV address, in rank order, on rank 0 (a disaggregated
-    group's transports are built: each rank passes its own)."""
-    got = group.gather_bytes(mine.encode())
-    return [] if got is None else [a.decode() for a in got]
-
-
 def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
-                 transfers: TransferFactory | None = None, kv_bind: str = "",
-                 kv_advertise: str = "", keys: Keys | None = None,
+                 kv_bind: str = "", kv_advertise: str = "", keys: Keys | None = None,
                  identity: str = "worker") -> int:
     """Rank > 0 of worker ``name``: follow rank 0 until it stops (0) or is lost (3).
 
-    ``transfers`` builds this rank's KV transport when the worker is a prefill or a
-    decode (the KV of this rank's heads moves between ranks directly); ``kv_bind`` /
-    ``kv_advertise``: where a prefill rank's sender binds and what decodes dial.
-    ``keys``/``identity``: what this rank fetches rank 0's KV credentials with (the
-    same as rank 0's)."""
+    A prefill or decode rank has its own KV endpoint (the KV of its heads moves between
+    ranks directly); ``kv_bind`` / ``kv_advertise``: where a prefill rank's sender binds
+    and what decodes dial. ``keys``/``identity``: what this rank fetches rank 0's KV
+    credentials with (the same as rank 0's).
+
+    Raises:
+        InsecureBind: a prefill rank asked to bind a public ``kv_bind`` without keys.
+    """
     group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
     mirror = None
     try:
@@ -279,18 +297,18 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                         shared_memory=setup.get("shared_memory", False))
         runner = ModelRunner(model, cache, draft)
         host = follower_host(config, cache, device, log_dir, f"{name}.tp{spec.rank}", node)
-        transfer = _transfer(transfers, setup, spec, config, cache, runner, kv_bind,
+        endpoint = _endpoint(setup, spec, config, cache, runner.fingerprint, kv_bind,
                              kv_advertise, group)
-        counting = RankMetrics(setup.get("role", "colocated"), cache, transfer, host)
-        mirror = Mirror(runner, spec.rank, transfer, group, host=host)
+        counting = RankMetrics(setup.get("role", "colocated"), cache, endpoint, host)
+        mirror = Mirror(runner, spec.rank, endpoint, group, host=host)
         mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
         wait = FollowerWait(mirror, _on_signals(), min(5.0, spec.timeout_s / 2))
         try:
             while mirror.apply(group.broadcast_bytes(TAG_STEP, None, wait)):
-                if mirror.transfer is not None:
-                    mirror.transfer.poll(0)  # steps may come back to back: never starve it
+                if mirror.endpoint is not None:
+                    mirror.endpoint.poll(0)  # steps may come back to back: never starve it
                 wait.check_signalled()
         except _Leave:
             logger.warning("%s: signalled and rank 0 did not stop within %.0f s: "
@@ -305,7 +323,7 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
         return 3
     finally:
         if mirror is not None:
-            mirror.close_transfer()
+            mirror.close_endpoint()
         group.close()
 
 
@@ -323,18 +341,16 @@ def _fetch_kv_auth(setup: dict, keys: Keys | None, identity: str, spec: TpSpec) 
         raise GroupLost(f"tp rank {spec.rank}: {exc}") from None
 
 
-def _transfer(factory: TransferFactory | None, setup: dict, spec: TpSpec,
-              config: ServeConfig, cache: KvCache, runner: ModelRunner, kv_bind: str,
-              kv_advertise: str, group: TpGroup) -> RankTransfer | None:
-    """This rank's KV transport (a disaggregated worker's), its address sent to rank 0."""
+def _endpoint(setup: dict, spec: TpSpec, config: ServeConfig, cache: KvCache,
+              fingerprint: str, kv_bind: str, kv_advertise: str, group: TpGroup
+              ) -> RankSender | RankReceiver | None:
+    """This rank's KV endpoint (a disaggregated worker's), its address sent to rank 0
+    (whose ``GroupSender``/``GroupReceiver`` gathers every rank's)."""
     role = setup.get("role", "colocated")
     if role == "colocated":
         return None
-    if factory is None:
-        raise ValueError(f"{setup['name']}/tp{spec.rank}: a {role} rank needs its KV "
-                         "transport (run it through pdkv prefill/decode)")
-    transfer, address = factory(RankSetup(role, setup["name"], spec.rank, spec.size, config,
-                                          cache, runner.fingerprint, setup["kv_auth"],
-                                          kv_bind, kv_advertise))
-    gather_kv_addresses(group, address)
-    return transfer
+    endpoint, address = follower_endpoint(role, config, setup["name"], spec.rank, spec.size,
+                                          cache, fingerprint, setup["kv_auth"], kv_bind,
+                                          kv_advertise)
+    group.gather_bytes(address.encode())
+    return endpoint
