@@ -62,7 +62,8 @@ class HostTier:
         self.pinned = device.type == "cuda" and torch.cuda.is_available()
         self._log = None if log_path is None else FreeLogWriter(log_path, node=node, pools={
             HOST_POOL: {"num_pages": num_pages, "page_size": page_size, "reserved": [0]}})
-        self._pool = PageAllocator(HOST_POOL, num_pages, (0,), self._log)
+        self._pool = PageAllocator(HOST_POOL, num_pages, (0,), self._log,
+                                   time.time_ns() // 1000)
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
         self.data = torch.zeros((num_pages, *self.layout.page_shape(page_size)),
                                 dtype=self.layout.torch_dtype, pin_memory=self.pinned)
@@ -107,9 +108,11 @@ class HostTier:
             self._pool.pin(pages, pin_id, reason)
             return pin_id
 
-    def unpin(self, pin_id: int) -> None:
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
+        """End a pin; ``record``: extra keys of the ``unpin`` event (the digests a store
+        computed or a load checked, docs/freelog.md)."""
         with self._lock:
-            self._pool.unpin(pin_id)
+            self._pool.unpin(pin_id, record)
 
     def pool_stats(self) -> PoolStats:
         """The host pool's pages by state and owner kind and its event counters."""
