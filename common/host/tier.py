@@ -27,7 +27,15 @@ import numpy as np
 import torch
 
 from common.freelog import FreeLogWriter
-from common.kv import CopyShare, KvLayout, PageAllocator, PoolStats, copy_pages, offering
+from common.kv import (
+    CopyShare,
+    KvLayout,
+    PageAllocator,
+    PoolStats,
+    copy_pages,
+    digest_of_pages,
+    offering,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,26 @@ class HostTier:
         self._pin_ids = 1
         self._lock = threading.Lock()
         self._closed = False
+        # the digest each page was stored with (docs/host_tier.md, "Integrity")
+        self._stored = np.zeros(num_pages, dtype=np.uint64)
+        self._has_stored = np.zeros(num_pages, dtype=bool)
+
+    # -- integrity ----------------------------------------------------------------------
+    def digests(self, pages: np.ndarray) -> list[int]:
+        """xxh3 of each page's bytes now (host memory: ``common.kv.digest``)."""
+        return [digest_of_pages("xxh3_64", self.data, np.array([p])) for p in pages]
+
+    def remember(self, pages: np.ndarray, digests: list[int]) -> None:
+        """The digests ``pages`` were stored with (checked again when they are loaded)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        self._stored[pages] = np.asarray(digests, dtype=np.uint64)
+        self._has_stored[pages] = True
+
+    def mismatched(self, pages: np.ndarray, digests: list[int]) -> list[int]:
+        """Positions of ``pages`` whose ``digests`` differ from what they were stored with."""
+        pages = np.asarray(pages, dtype=np.int64)
+        now = np.asarray(digests, dtype=np.uint64)
+        return np.flatnonzero(self._has_stored[pages] & (self._stored[pages] != now)).tolist()
 
     @property
     def num_free(self) -> int:
