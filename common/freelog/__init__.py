@@ -16,7 +16,7 @@ from common.freelog.report import (
 )
 from common.freelog.writer import FORMAT, VERSION, FreeLogWriter, configure, freelog_file
 
-__all__ = ["DigestLedger", "EXIT_CLEAN", "EXIT_INCOMPLETE", "EXIT_UNREADABLE", "EXIT_VIOLATIONS", "FORMAT",
-           "VERSION", "configure", "FreeLogReader", "FreeLogWriter", "LogHealth", "ReplayReport",
-           "UnreadableLog", "Violation", "combined_exit", "cross_check", "freelog_file", "log_problems",
-           "replay_file", "replay_main"]
+__all__ = ["EXIT_CLEAN", "EXIT_INCOMPLETE", "EXIT_UNREADABLE", "EXIT_VIOLATIONS", "FORMAT",
+           "VERSION", "DigestLedger", "FreeLogReader", "FreeLogWriter", "LogHealth",
+           "ReplayReport", "UnreadableLog", "Violation", "combined_exit", "configure",
+           "cross_check", "freelog_file", "log_problems", "replay_file", "replay_main"]
