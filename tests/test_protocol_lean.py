@@ -335,3 +335,46 @@ def test_a_byte_flipped_in_a_host_page_between_store_and_load_fails_only_that_lo
     assert found[0].pages == [int(victim_host[1])]
     assert report.digests["pages_stored"] == 5 and report.digests["pages_loaded"] == 5
     assert replay_file(tmp_path / "device.log").ok
+
+
+def test_a_post_that_fails_fails_only_its_request_with_an_abort(tmp_path, monkeypatch):
+    """Post failed: the prefill cannot post one request's WRITE (its peer is fine). That
+    request fails with reason error and its Abort reaches the decode, which answers
+    AbortAck; the peer stays, and the next request moves byte-exact."""
+    if nixl.import_error():
+        pytest.skip(f"NIXL not importable: {nixl.import_error()}")
+    pair = LoggedPair(tmp_path, kv_transport="nixl")
+    agent = pair.tx.nixl.agent
+    real = agent.write_prepped
+
+    def failing(local, src, remote, dst, notif):
+        if b"victim" in notif:
+            raise RuntimeError("injected: the backend refused the post")
+        return real(local, src, remote, dst, notif)
+    monkeypatch.setattr(agent, "write_prepped", failing)
+    kv_vp, kv_vd = pair.rows("victim", 30, seed=1)
+    kv_np, kv_nd = pair.rows("neighbour", 30, seed=2)
+    pair.rx.announce("victim", kv_vd, 30)
+    pair.rx.announce("neighbour", kv_nd, 30)
+    pair.run(lambda _: sum(e.kind == EventKind.READY for e in pair.tx_events) == 2)
+    tx0, rx0 = Counter(pair.tx.stats), Counter(pair.rx.stats)
+    pair.tx.finish("victim", kv_vp, first_token=5)
+    pair.tx.finish("neighbour", kv_np, first_token=6)
+    events = {e.rid: e for e in pair.run(lambda ev: len(ev) == 2)}
+    assert (events["victim"].kind, events["victim"].reason) == (EventKind.ABORTED, "error")
+    assert "post failed" in events["victim"].detail
+    assert events["neighbour"].kind == EventKind.COMPLETED
+    assert torch.equal(read_row(pair.dc, kv_nd, 0, 30), pattern(2, 30, pair.pc.layout, 0, 4))
+    finals = {e.rid: (e.kind, e.reason) for e in pair.tx_events if e.kind.is_final}
+    assert finals == {"victim": (EventKind.FAILED, "error"),
+                      "neighbour": (EventKind.COMPLETED, "sent")}
+    assert pair.tx.stats["post_failed"] == 1 and not pair.tx.stats["peers_lost"]
+    # the failure path's messages: an Abort one way, its AbortAck the other
+    assert _sent(pair.tx.stats, tx0) == {"sent.Abort": 1, "sent.KvWritten": 1}
+    pair.run(lambda _: pair.rx.num_pins == 0)
+    assert _sent(pair.rx.stats, rx0) == {"sent.AbortAck": 1}
+    pair.settle({"vp": (pair.pc, kv_vp, "error"), "np": (pair.pc, kv_np, "sent"),
+                 "vd": (pair.dc, kv_vd, "error"), "nd": (pair.dc, kv_nd, "finished")})
+    for log in (pair.p_log, pair.d_log):
+        report = replay_file(log)
+        assert report.ok, report.format()

@@ -24,6 +24,11 @@ from .pool_view import PoolView
 from .sockets import RouterSocket
 
 
+class PostFailed(RuntimeError):
+    """A channel could not post one request's run (its peer is fine): that request fails
+    with reason ``error`` and goes down the abort path; nothing of the run was written."""
+
+
 class Completion(Protocol):
     """A send in progress; ``done`` turns true once the source bytes may be reused."""
 
@@ -90,6 +95,7 @@ class DataChannel(ABC):
         the decode keeps the destination pages pinned until the peer says it stopped.
         Raises:
             zmq.ZMQError: EHOSTUNREACH when the peer is gone (nothing more is sent).
+            PostFailed: this run cannot be posted (the request fails, the peer stays).
         """
 
 

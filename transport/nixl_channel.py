@@ -32,7 +32,7 @@ import zmq
 from common.kv import digest_of_pages, digest_value
 
 from . import nixl
-from .channel import BlockRun, DataChannel, Posted
+from .channel import BlockRun, DataChannel, Posted, PostFailed
 from .config import TransportConfig
 from .messages import Hello, KvWritten, Message, encode
 
@@ -95,8 +95,9 @@ class NixlChannel(DataChannel):
         ``run.dest_pages``), each with its ``KvWritten`` as the notification."""
         dest = run.dest_pages
         if len(dest) and (dest.min() < 1 or dest.max() >= self.remote.num_pages):
-            self._unreachable(f"{run.rid}: dest pages [{dest.min()}, {dest.max()}] outside "
-                              f"the peer's pool of {self.remote.num_pages} pages")
+            self.stats["nixl_post_failed"] += 1
+            raise PostFailed(f"dest pages [{dest.min()}, {dest.max()}] outside the peer's "
+                             f"pool of {self.remote.num_pages} pages")
         if self.local.mem == "VRAM":
             # UCX reads VRAM outside torch's streams: the kernels that computed this KV
             # must have finished first (the frame path's device-to-host copy waits too)
@@ -127,8 +128,13 @@ class NixlChannel(DataChannel):
                                                  self.remote, dest, self.dst_heads)
                 handle, state = self.agent.write(local, self.local.mem, remote,
                                                  self.remote.mem, self.peer_agent, notif)
-        except Exception as exc:  # a vanished peer raises here (nixlRemoteDisconnectError)
-            self._unreachable(f"{run.rid}: posting a write failed: {exc!r}")
+        except Exception as exc:
+            if "Disconnect" in type(exc).__name__:   # nixlRemoteDisconnectError: peer gone
+                self._unreachable(f"{run.rid}: posting a write failed: {exc!r}")
+            self.stats["nixl_post_failed"] += 1     # this request's post: it fails alone
+            logger.error("%s -> %s: %s: posting a write failed: %r", self.agent.name,
+                         self.peer_agent, run.rid, exc)
+            raise PostFailed(f"posting a NIXL write failed: {exc!r}") from exc
         write = NixlWrite(self, run.rid, handle, state)
         posted.entries.append(run.entry(start, end, digest))
         self.stats["nixl_writes"] += 1

@@ -35,6 +35,7 @@ from common.auth import INSECURE, PlaneAuth
 
 from . import handshake, tp
 from .capability import Capabilities
+from .channel import PostFailed
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .integrity import leg_digest
@@ -406,7 +407,12 @@ class KvSender:
         return out
 
     def _flush(self, out: Outgoing) -> None:
-        gone = self.streamer.flush(out)
+        try:
+            gone = self.streamer.flush(out)
+        except PostFailed as exc:   # this request cannot be posted: it alone fails
+            self.stats["post_failed"] += 1
+            self._fail(out, "error", f"post failed: {exc}")
+            return
         peer = None if gone is None else self.peers.live(gone)
         if peer is not None:
             self._lose(peer, "unreachable while sending")
