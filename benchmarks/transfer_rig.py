@@ -84,14 +84,20 @@ def pump_all(senders: list[KvSender], cache: KvCache, rows: dict, timeout_s: flo
     if len(senders) == 1:
         pump(senders[0], cache, senders[0].poll(timeout_s), rows)
         return
-    poller = zmq.Poller()
+    busy = [tx for tx in senders if tx.poll_within() is not None]
+    if busy:   # its own poll waits in sub-millisecond slices and progresses its writes
+        waited = busy[0]
+        pump(waited, cache, waited.poll(min(timeout_s, waited.poll_within())), rows)
+    else:
+        waited = None
+        poller = zmq.Poller()
+        for tx in senders:
+            for sock in tx.sockets():
+                poller.register(sock, zmq.POLLIN)
+        poller.poll(int(1000 * timeout_s))
     for tx in senders:
-        for sock in tx.sockets():
-            poller.register(sock, zmq.POLLIN)
-    soon = [w for w in (tx.poll_within() for tx in senders) if w is not None]
-    poller.poll(1000 * min([timeout_s, *soon]))
-    for tx in senders:
-        pump(tx, cache, tx.poll(0.0), rows)
+        if tx is not waited:
+            pump(tx, cache, tx.poll(0.0), rows)
 
 
 def await_pdkv(tx: KvSender | list[KvSender], cache: KvCache, rows: dict, queue,
