@@ -7,12 +7,12 @@ its source pages, the receiver over what landed, and both free logs record it.
 
 Two algorithms, one per kind of memory:
 
-- ``xxh3_64`` (host memory): xxHash's XXH3, 64 bits. About 27 GB/s from DRAM and 55 GB/s
-  from cache on the 2-core box, five to ten times memcpy's speed there, so it adds a
-  fraction of a copy to a path that copies anyway. crc32c (SSE4.2) runs at a third of
-  that, zlib's crc32 at 1 GB/s, and a cryptographic hash is not needed: this guards
-  against corruption and bugs, not against a peer that forges bytes (the KV plane is
-  authenticated, docs/security.md).
+- ``xxh3_64`` (host memory): xxHash's XXH3, 64 bits. 16-27 GB/s from DRAM and 55 GB/s
+  from cache on the 2-core box, 2.5-10 times memcpy's speed there; crc32c (SSE4.2) runs
+  at a third of that, zlib's crc32 at 1 GB/s, and a cryptographic hash is not needed:
+  this guards against corruption and bugs, not against a peer that forges bytes (the KV
+  plane is authenticated, docs/security.md). Even so a pass from DRAM is a fifth to a
+  half of a copy's time there (docs/benchmarks/2026-12-05.md).
 - ``fold64`` (device memory): a multilinear sum over 32-bit words,
   ``sum_p M_p * sum_j w[p, j] * C_j`` modulo 2^64 with odd constants ``C_j`` (word ``j``
   of a block) and ``M_p`` (block ``p`` of the run), then mixed. It is one elementwise
