@@ -4,11 +4,14 @@ shared memory with it, ``benchmarks.nixl_transfer`` NIXL)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
 import torch
+import zmq
 
+from benchmarks.goals import paired_ratio
 from common import KvCache, KvLayout
 from transport import EventKind, KvReceiver, KvSender
 
@@ -42,19 +45,28 @@ def pool_rounds(tokens: int, pool_tokens: int) -> tuple[int, int]:
 
 
 def receive(rx: KvReceiver, cache: KvCache, tokens: int, repeat: int,
-             pool_tokens: int) -> float:
+             pool_tokens: int, group: int = 0) -> float:
+    """Seconds for the decode to receive ``tokens`` (as pool-sized requests) from the
+    prefill ``group`` (the benches connect one with integrity on, one with it off)."""
     per, rounds = pool_rounds(tokens, pool_tokens)
     t0 = time.monotonic()
     for i in range(rounds):
-        rid = f"{tokens}-{repeat}-{i}"
+        rid = f"{tokens}-{repeat}-{i}-g{group}"
         kv = cache.open_row(rid)
         cache.extend(kv, per)
-        rx.announce(rid, kv, per)
+        rx.announce(rid, kv, per, group=group)
         while not any(e.kind.is_final for e in rx.poll(0.01) if e.rid == rid):
             pass
         cache.free_kv_row(kv, [(0, per)], reason="finished")
         cache.close_row(kv)
     return time.monotonic() - t0
+
+
+def integrity_figures(nbytes: int, on: list, off: list) -> dict:
+    """Integrity on against off, runs paired as they alternated (on rate / off rate)."""
+    gb = nbytes / 1e9
+    return {"pdkv_off_gbps": round(gb / statistics.median(off), 3),
+            "integrity_on_vs_off_paired": round(paired_ratio(off, on), 3)}
 
 
 def memcpy(src: np.ndarray, total: int) -> float:
@@ -66,8 +78,30 @@ def memcpy(src: np.ndarray, total: int) -> float:
     return time.perf_counter() - t0
 
 
-def await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue,
-                faults: list | None = None) -> float:
+def pump_all(senders: list[KvSender], cache: KvCache, rows: dict, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for any sender's socket (less while one asks to be polled
+    sooner: NIXL writes in flight), then ``pump`` every sender."""
+    if len(senders) == 1:
+        pump(senders[0], cache, senders[0].poll(timeout_s), rows)
+        return
+    busy = [tx for tx in senders if tx.poll_within() is not None]
+    if busy:   # its own poll waits in sub-millisecond slices and progresses its writes
+        waited = busy[0]
+        pump(waited, cache, waited.poll(min(timeout_s, waited.poll_within())), rows)
+    else:
+        waited = None
+        poller = zmq.Poller()
+        for tx in senders:
+            for sock in tx.sockets():
+                poller.register(sock, zmq.POLLIN)
+        poller.poll(int(1000 * timeout_s))
+    for tx in senders:
+        if tx is not waited:
+            pump(tx, cache, tx.poll(0.0), rows)
+
+
+def await_pdkv(tx: KvSender | list[KvSender], cache: KvCache, rows: dict, queue,
+               faults: list | None = None) -> float:
     """Serve the child's announces until it reports the seconds the request took (and
     the page faults the decode took meanwhile, appended to ``faults``).
 
@@ -75,8 +109,9 @@ def await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue,
     child's report (outside the child's timing), so a long one keeps this loop from
     waking 500 times a second and stealing the 2-core machine's copy threads' time.
     """
+    senders = tx if isinstance(tx, list) else [tx]
     while True:
-        pump(tx, cache, tx.poll(0.02), rows)
+        pump_all(senders, cache, rows, 0.02)
         if not queue.empty():
             kind, _, seconds, *flt = queue.get()
             assert kind == "pdkv", kind
@@ -86,13 +121,23 @@ def await_pdkv(tx: KvSender, cache: KvCache, rows: dict, queue,
 
 
 def pump(tx: KvSender, cache: KvCache, events: list, rows: dict) -> None:
-    """The prefill worker's part: on READY send the whole (already computed) prompt."""
+    """The prefill worker's part: on READY send the whole (already computed) prompt once
+    the pool has room for it (the decode may register the next request before our own
+    transfer of the last one reported done and freed its row: that waits, as a worker's
+    admission does); on a final event free the row."""
+    waiting = rows.setdefault(WAITING, [])
     for ev in events:
         if ev.kind == EventKind.READY:
-            kv = rows[ev.rid] = cache.open_row(ev.rid)
-            cache.extend(kv, ev.prompt_len)
-            tx.finish(ev.rid, kv, first_token=1)
+            waiting.append((tx, ev.rid, ev.prompt_len))
         elif ev.kind.is_final:
             kv = rows.pop(ev.rid)
             cache.free_kv_row(kv, [(0, kv.allocated_len)], reason=ev.reason or "sent")
             cache.close_row(kv)
+    while waiting and cache.num_free_pages() >= -(-waiting[0][2] // cache.page_size):
+        sender, rid, prompt_len = waiting.pop(0)
+        kv = rows[rid] = cache.open_row(rid)
+        cache.extend(kv, prompt_len)
+        sender.finish(rid, kv, first_token=1)
+
+
+WAITING = ""   # rows' key of the READY requests waiting for room in the pool

@@ -161,7 +161,12 @@ class DecodeWorker(WorkerBase):
         return self.scheduler.load()
 
     def stats(self) -> dict:
-        return self.scheduler.stats({"bytes_recv": int(self.receiver.stats["bytes_recv"])})
+        rx = self.receiver.stats
+        # KV that landed refused (docs/protocol.md, "Page epochs", "Integrity"): each
+        # failed its own request; a non-zero count is worth a look at the free log
+        return self.scheduler.stats({"bytes_recv": int(rx["bytes_recv"]),
+                                     "kv_refused_stale": int(rx["refused.stale"]),
+                                     "kv_refused_corrupt": int(rx["refused.corrupt"])})
 
     def metric_readings(self) -> list:
         retraction = self.scheduler.retraction

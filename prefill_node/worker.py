@@ -296,6 +296,8 @@ class PrefillWorker(WorkerBase):
                 # capability, protocol errors of peers, connections with bad credentials
                 "refused_announces": int(self.sender.stats["refused.announce"]),
                 "kv_errors": int(self.sender.stats["errors"]),
+                # runs this worker could not post (each failed its request alone)
+                "kv_post_failed": int(self.sender.stats["post_failed"]),
                 "kv_unauthenticated": self.sender.link.router.refused,
                 **({} if reuse is None else {
                     "prefix_hit_pages": reuse.num_hit_pages,

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -16,7 +17,8 @@ from common.auth import CONTROL_DOMAIN, PlaneAuth
 from common.config import ServeConfig
 from transport import TransportConfig
 from transport.handshake import make_hello
-from transport.messages import Announce, ProtocolError, decode, encode, pages_to_bytes
+from transport.integrity import pack_epochs
+from transport.messages import ProtocolError, Register, decode, encode, pages_to_bytes
 
 # a frame that runs code when unpickled: it creates ``marker`` (it must never exist)
 
@@ -136,8 +138,9 @@ def kv_hello(cfg: ServeConfig, node: str, digest: str, shm_pool: str = "",
 
 
 def announce(rid: str, pages: list[int], page_size: int, cap: str = "guess") -> bytes:
-    return encode(Announce(rid=rid, prompt_len=len(pages) * page_size, cached_tokens=0,
-                           dest_pages=pages_to_bytes(pages), cap=cap))
+    return encode(Register(rid=rid, prompt_len=len(pages) * page_size, cached_tokens=0,
+                           dest_pages=pages_to_bytes(pages),
+                           dest_epochs=pack_epochs(np.ones(len(pages), np.uint64)), cap=cap))
 
 
 def kv_answers(frames: list[list[bytes]]) -> list[tuple[str, str]]:

@@ -153,23 +153,23 @@ def test_held_announces_are_bounded():
     from collections import Counter
 
     from transport.capability import Capabilities
-    from transport.messages import Announce, ProtocolError
+    from transport.messages import ProtocolError, Register
     from transport.peers import Peer
 
     stats = Counter()
     caps = Capabilities(True, hold_s=5.0, stats=stats)
     peer = Peer(b"evil", hello=None, last_seen=0.0)
-    held = [caps.admit(peer, Announce("r", 1, 0, b"\0\0\0\0", cap=str(i)), 0.0)
+    held = [caps.admit(peer, Register("r", 1, 0, b"\0\0\0\0", b"", cap=str(i)), 0.0)
             for i in range(8)]
     assert held == [False] * 8 and caps.num_held == 8
     with pytest.raises(ProtocolError, match="too many"):
-        caps.admit(peer, Announce("r", 1, 0, b"\0\0\0\0", cap="9"), 0.0)
+        caps.admit(peer, Register("r", 1, 0, b"\0\0\0\0", b"", cap="9"), 0.0)
     ready, refused = caps.expect("r", "3")
     assert [h.msg.cap for h in ready] == ["3"] and len(refused) == 7
     assert stats["refused.announce"] == 8 and caps.num_held == 0
     for i in range(1100):   # many rids: 1024 held in all
         try:
-            caps.admit(peer, Announce(f"g{i}", 1, 0, b"\0\0\0\0", cap=""), 1.0)
+            caps.admit(peer, Register(f"g{i}", 1, 0, b"\0\0\0\0", b"", cap=""), 1.0)
         except ProtocolError:
             pass
     assert caps.num_held == 1024

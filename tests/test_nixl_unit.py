@@ -1,7 +1,8 @@
 """NIXL data path pieces in one process: descriptors against a per-page reference, the
-control messages held while a write is in flight, and notifications that break the
-protocol. Real NIXL agents (UCX) on real ipc sockets; one test holds a write "in flight"
-by wrapping the real agent's completion report."""
+completion that is the prefill's own write, the control messages held while a write is in
+flight, notifications in any order, and notifications that break the protocol. Real
+NIXL agents (UCX) on real ipc sockets; one test holds a write "in flight" by wrapping the
+real agent's completion report."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from tests.test_transport_unit import Pair
 from tests.transport_helpers import layout, make_cache, pattern, read_row, write_row
 from transport import EventKind, nixl
-from transport.messages import Ack, Announce, KvWritten, encode, pages_to_bytes
+from transport.integrity import pack_epochs
+from transport.messages import AbortAck, KvWritten, Register, encode, pages_to_bytes
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(bool(nixl.import_error()),
@@ -68,13 +70,16 @@ def _rows(pair, rid, n, seed=1):
 
 
 class Gate:
-    """Writes stay "in flight" (the real agent's report reads PROC) while ``closed``."""
+    """Writes read as "in flight" to the prefill (the real agent's report reads PROC)
+    while ``closed``; the bytes and the notification still move."""
 
     def __init__(self, monkeypatch, agent: nixl.Agent):
         self.closed = True
-        write, state = agent.write, agent.state
+        write, prepped, state = agent.write, agent.write_prepped, agent.state
         monkeypatch.setattr(agent, "write", lambda *a: self._gated(write(*a)))
-        monkeypatch.setattr(agent, "state", lambda h: "PROC" if self.closed else state(h))
+        monkeypatch.setattr(agent, "write_prepped", lambda *a: self._gated(prepped(*a)))
+        # the real state is still read: it progresses the write (the bytes move on)
+        monkeypatch.setattr(agent, "state", lambda h: self._gated((h, state(h)))[1])
 
     def _gated(self, posted):
         handle, state = posted
@@ -89,22 +94,27 @@ def _poll_both(pair, seconds, until=lambda: False):
     return events
 
 
-def test_done_waits_until_the_last_write_completed(pair, monkeypatch):
+def test_the_prefill_completes_when_its_own_write_reports_done(pair, monkeypatch):
+    """No Done, no Ack: the decode completes on the write's notification (it carries the
+    first token), the prefill when its own handle reads DONE; its source stays pinned
+    until then."""
     gate = Gate(monkeypatch, pair.tx.nixl.agent)
     kv_p, kv_d = _rows(pair, "r1", 30)
     pair.rx.announce("r1", kv_d, 30)
     assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
     pair.tx.finish("r1", kv_p, first_token=42)
-    events = _poll_both(pair, 0.3)
-    assert events == [] and pair.tx.num_pins == 1           # Done held, source pinned
-    assert pair.tx.stats["nixl_held_msgs"] == 1 and pair.rx.num_pins == 1
-    # both ends ask their worker loop to poll them soon (nothing wakes a socket wait)
-    assert pair.tx.poll_within() == nixl.SLICE_S and pair.rx.poll_within() == nixl.SLICE_S
-    gate.closed = False
-    events = _poll_both(pair, 2, lambda: not pair.tx.transfers)
+    # the prefill's worker loop is asked to poll soon (nothing wakes a socket wait)
+    assert pair.tx.poll_within() == nixl.SLICE_S
+    events = _poll_both(pair, 2, lambda: "r1" not in pair.rx.transfers)
     assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 42)]
     assert torch.equal(read_row(pair.dc, kv_d, 0, 30), pattern(1, 30, pair.pc.layout, 0, 4))
+    assert pair.tx.num_pins == 1 and not [e for e in pair.tx_events if e.rid]
+    gate.closed = False
+    _poll_both(pair, 2, lambda: not pair.tx.transfers)
+    assert [(e.kind, e.reason) for e in pair.tx_events if e.rid] == [
+        (EventKind.COMPLETED, "sent")]
     assert pair.tx.num_pins == 0 and pair.rx.stats["nixl_writes_recv"] == 1
+    assert pair.tx.stats["sent.KvWritten"] == 1 and pair.rx.stats["sent.Register"] == 1
     assert pair.tx.poll_within() is None and pair.rx.poll_within() is None
 
 
@@ -137,7 +147,7 @@ def test_abort_ack_waits_until_the_write_in_flight_completed(pair, monkeypatch):
      "bad_range"),
     (KvWritten(rid="r1", first_block=0, num_blocks=1, head_start=0, head_end=2),
      "bad_range"),
-    (Ack(rid="r1"), "bad_field"),
+    (AbortAck(rid="r1"), "bad_field"),
 ])
 def test_bad_notifications_fail_only_their_request(pair, notif, code):
     kv_p, kv_d = _rows(pair, "r1", 30)
@@ -184,25 +194,30 @@ class HeldNotifications:
         monkeypatch.setattr(target, "notifications", notifications)
 
 
-def test_a_done_that_overtakes_its_notifications_waits_for_them(pair, monkeypatch):
+def test_notifications_in_any_order_complete_only_when_every_one_is_in(pair, monkeypatch):
+    """Two writes; their notifications arrive last-first: the one with the first token
+    does not complete the request while the other's blocks are missing."""
     held = HeldNotifications(monkeypatch, pair.rx.nixl)
     kv_p, kv_d = _rows(pair, "r1", 30)
     pair.rx.announce("r1", kv_d, 30)
     assert [e.kind for e in pair.tx.poll(0.5)] == [EventKind.READY]
-    pair.tx.finish("r1", kv_p, first_token=9)       # written at once (same host), Done sent
-    assert _poll_both(pair, 0.3) == []
-    assert pair.rx.stats["nixl_dones_deferred"] == 1 and pair.rx.num_pins == 1, (
-        dict(pair.rx.stats), dict(pair.tx.stats))
-    held.closed = False
+    pair.tx.send("r1", kv_p, 16)                    # blocks 0..3: the first write
+    pair.tx.finish("r1", kv_p, first_token=9)       # blocks 4..7 and the first token
+    assert _poll_both(pair, 0.3, lambda: len(held.kept) == 2) == []
+    assert len(held.kept) == 2 and pair.rx.num_pins == 1
+    held.kept.reverse()
+    last = held.kept.pop(0)                         # the completion comes alone first
+    held.closed, first = False, held.kept
+    held.kept = [last]
+    assert _poll_both(pair, 0.2) == [] and pair.rx.num_pins == 1
+    held.kept = first
     events = _poll_both(pair, 2, lambda: "r1" not in pair.rx.transfers)
     assert [(e.kind, e.first_token) for e in events] == [(EventKind.COMPLETED, 9)]
     assert torch.equal(read_row(pair.dc, kv_d, 0, 30), pattern(1, 30, pair.pc.layout, 0, 4))
 
 
-def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp_path,
-                                                                             monkeypatch):
-    # the decode's chunk_timeout_s is 5 s (tests.transport_helpers.config); the prefill
-    # waits longer for its Ack, so that the decode's deadline is the one met
+def test_notifications_that_never_come_fail_after_the_chunk_timeout(tmp_path, monkeypatch):
+    # the decode's chunk_timeout_s is 5 s (tests.transport_helpers.config)
     p = Pair(tmp_path, kv_transport="nixl", p_kw={"chunk_timeout_s": 60.0})
     p.connect()
     try:
@@ -214,19 +229,20 @@ def test_a_done_whose_notifications_never_come_fails_after_the_chunk_timeout(tmp
         events = _poll_both(p, 20, lambda: "r1" not in p.rx.transfers)
         # no progress for chunk_timeout_s: the request fails, its pin goes, no hang
         assert [(e.kind, e.reason) for e in events] == [(EventKind.FAILED, "timeout")]
-        assert p.rx.stats["nixl_dones_deferred"] == 1 and p.rx.num_pins == 0
+        assert p.rx.num_pins == 0
     finally:
         p.close()
 
 
 @pytest.mark.parametrize("dest", [[64, 3], [0, 3], [3, 3]])
-def test_an_announce_naming_pages_outside_the_registered_pool_writes_nothing(pair, dest):
+def test_a_register_naming_pages_outside_the_registered_pool_writes_nothing(pair, dest):
     """Issue 9 on the NIXL path: the prefill writes only into the pages the decode
-    allocated, inside its registered pool (64 pages: ids 1..63); an Announce naming others
+    allocated, inside its registered pool (64 pages: ids 1..63); a Register naming others
     is refused with bad_range/bad_field before anything is pinned or written."""
     sock = next(iter(pair.rx.link.sockets.values()))
-    sock.send([encode(Announce(rid="m1", prompt_len=8, cached_tokens=0,
-                               dest_pages=pages_to_bytes(dest)))])
+    sock.send([encode(Register(rid="m1", prompt_len=8, cached_tokens=0,
+                               dest_pages=pages_to_bytes(dest),
+                               dest_epochs=pack_epochs(np.ones(2, np.uint64))))])
     assert _poll_both(pair, 0.3) == []
     assert pair.tx.stats["errors.bad_range"] + pair.tx.stats["errors.bad_field"] == 1
     assert pair.rx.stats["errors_recv"] == 1

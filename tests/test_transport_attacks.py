@@ -17,6 +17,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -24,6 +25,7 @@ import zmq
 from common.freelog import replay_file
 from common.kv import SharedTensor
 from tests.transport_helpers import DecodeDriver, prefill_child
+from transport.integrity import pack_epochs
 from transport.messages import Hello, decode, encode, pages_to_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,13 +148,15 @@ def test_hostile_segments_and_bad_counts_are_refused_and_the_victims_unharmed(tm
         ok = mallory.ask(sock, _hello(victim, shm_pool=own.name, shm_token=own.token))
         assert [type(m).__name__ for m in ok] == ["Hello"] and ok[0].shm_pool == own.name
         drv.announce_all()
-        bad = [_raw("Announce", rid="m1", prompt_len=8, cached_tokens=0,
-                    dest_pages=pages_to_bytes([victim.shm_pages, 3])),
-               _raw("Announce", rid="m2", prompt_len=8, cached_tokens=0,
-                    dest_pages=pages_to_bytes([0, 3])),
-               _raw("Announce", rid="m3", prompt_len=-5, cached_tokens=0, dest_pages=b""),
-               _raw("Announce", rid="m4", prompt_len=8, cached_tokens=0,
-                    dest_pages=pages_to_bytes([-2, 3])),
+        two = pack_epochs(np.ones(2, np.uint64))
+        bad = [_raw("Register", rid="m1", prompt_len=8, cached_tokens=0,
+                    dest_pages=pages_to_bytes([victim.shm_pages, 3]), dest_epochs=two),
+               _raw("Register", rid="m2", prompt_len=8, cached_tokens=0,
+                    dest_pages=pages_to_bytes([0, 3]), dest_epochs=two),
+               _raw("Register", rid="m3", prompt_len=-5, cached_tokens=0, dest_pages=b"",
+                    dest_epochs=b""),
+               _raw("Register", rid="m4", prompt_len=8, cached_tokens=0,
+                    dest_pages=pages_to_bytes([-2, 3]), dest_epochs=two),
                _raw("KvChunk", rid="a", first_block=-1, num_blocks=1, head_start=0,
                     head_end=4, nbytes=4)]
         got = [_codes(mallory.ask(sock, frame)) for frame in bad]
@@ -241,11 +245,12 @@ def test_a_second_prefill_cannot_write_finish_abort_or_fail_requests_it_does_not
         hostile.send(_raw("KvChunk", rid="a", **chunk), b"\xff" * block)
         hostile.send(_raw("KvWritten", rid="b", first_block=0, num_blocks=1, head_start=0,
                           head_end=4))
-        hostile.send(_raw("Done", rid="b", num_blocks=16, first_token=666))
+        hostile.send(_raw("KvWritten", rid="b", first_block=1, num_blocks=1, head_start=0,
+                          head_end=4, first_token=666))      # a forged completion
         hostile.send(_raw("Abort", rid="c", reason="aborted", detail="forged"))
         hostile.send(_raw("Error", code="bad_range", detail="forged", rid="a"))
         hostile.send(_raw("KvChunk", rid="a", **{**chunk, "num_blocks": -4}), b"\xff")
-        hostile.send(_raw("Accepted", rid="c"))
+        hostile.send(_raw("KvChunk", rid="c", **chunk, first_token=1), b"\xff" * block)
         _, decode_stats = _finish(drv, proc, queue, tmp_path)
     finally:
         hostile.close()

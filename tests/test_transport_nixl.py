@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from common.freelog import replay_file
+from common.freelog import cross_check, replay_file
 from tests.transport_helpers import (
     DecodeDriver,
     PrefillDriver,
@@ -84,10 +84,14 @@ def _run_pair(plan, tmp_path, prefill_kw=NIXL, decode_kw=NIXL):
     return prefill, decode, paths
 
 
-def _assert_logs_clean(tmp_path, names):
-    for name in names:
-        report = replay_file(tmp_path / f"{name}.log")
+def _assert_logs_clean(tmp_path, names) -> dict:
+    """Every log replays clean and every digest received equals the one sent."""
+    reports = [replay_file(tmp_path / f"{name}.log") for name in names]
+    for report in reports:
         assert report.ok, report.format()
+    found, counts = cross_check([r.ledger for r in reports])
+    assert not found, [v.format() for v in found]
+    return counts
 
 
 def _assert_nixl_only(prefill, decode):
@@ -118,7 +122,9 @@ def test_interleaved_requests_arrive_byte_exact(tmp_path, ucx, page_size):
     assert all(f[0][1] == "COMPLETED" for f in prefill["final"].values())
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
     _assert_nixl_only(prefill, decode)
-    _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+    counts = _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+    assert counts["runs_matched"] >= 3 and counts["runs_received_unmatched"] == 0
+    assert counts["runs_sent_unreceived"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from common.freelog import replay_file
+from common.freelog import cross_check, replay_file
 from tests.transport_helpers import DecodeDriver, PrefillDriver, decode_child, prefill_child
 
 pytestmark = pytest.mark.timeout(90)
@@ -52,10 +52,15 @@ def _start_prefill(plan, tmp_path, kind, cfg_kw=None):
     return proc, queue, queue.get(timeout=30)
 
 
-def _assert_logs_clean(tmp_path, names):
-    for name in names:
-        report = replay_file(tmp_path / f"{name}.log")
+def _assert_logs_clean(tmp_path, names) -> dict:
+    """Every log replays clean, and every digest a decode received equals the one its
+    prefill sent (``pdkv replay`` given both sides' logs); returns the cross-check counts."""
+    reports = [replay_file(tmp_path / f"{name}.log") for name in names]
+    for report in reports:
         assert report.ok, report.format()
+    found, counts = cross_check([r.ledger for r in reports])
+    assert not found, [v.format() for v in found]
+    return counts
 
 
 def _run_pair(plan, tmp_path, kind="ipc"):
@@ -93,7 +98,10 @@ def test_interleaved_requests_arrive_byte_exact(tmp_path, kind, page_size):
     assert all(f[0][1] == "COMPLETED" for f in prefill["final"].values())
     assert prefill["leaked"] == [0] and decode["leaked"] == [0]
     _assert_data_path(kind, prefill, decode)
-    _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+    counts = _assert_logs_clean(tmp_path, ["prefill0", "decode0"])
+    # every data message sent was received and its digest matched (c: its prefix cached)
+    assert counts["runs_matched"] >= 3 and counts["runs_received_unmatched"] == 0
+    assert counts["runs_sent_unreceived"] == 0 and counts["mismatches"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -14,14 +14,15 @@ import zmq
 from common.kv import page_runs
 from tests.transport_helpers import config, layout, make_cache, pattern, read_row, write_row
 from transport import EventKind, HandshakeError, KvReceiver, KvSender
+from transport.integrity import pack_epochs
 from transport.messages import (
-    Ack,
-    Announce,
+    AbortAck,
     ErrorCode,
     Heartbeat,
     Hello,
     KvChunk,
     ProtocolError,
+    Register,
     decode,
     encode,
     pages_from_bytes,
@@ -34,23 +35,27 @@ pytestmark = pytest.mark.timeout(60)
 
 # -- codec ---------------------------------------------------------------------------------
 def test_every_message_round_trips_and_page_ids_are_int32_bytes():
-    msg = Announce(rid="r1", prompt_len=33, cached_tokens=16,
-                   dest_pages=pages_to_bytes([5, 6, 9]))
+    msg = Register(rid="r1", prompt_len=33, cached_tokens=16,
+                   dest_pages=pages_to_bytes([5, 6, 9]),
+                   dest_epochs=pack_epochs(np.array([7, 7, 8], np.uint64)))
     assert decode(encode(msg)) == msg
+    assert len(msg.dest_epochs) == 32     # two runs of (epoch, count): (7, 2), (8, 1)
     assert msg.dest_pages == b"\x05\x00\x00\x00\x06\x00\x00\x00\x09\x00\x00\x00"
     assert pages_from_bytes(msg.dest_pages).tolist() == [5, 6, 9]
 
 
 @pytest.mark.parametrize("frame, code", [
     (b"\xc1garbage", ErrorCode.MALFORMED),
-    (encode(Ack(rid="r"))[:-2], ErrorCode.MALFORMED),
+    (encode(AbortAck(rid="r"))[:-2], ErrorCode.MALFORMED),
     (msgpack.packb([1, 2]), ErrorCode.MALFORMED),
     (msgpack.packb({"t": "Pickle", "rid": "r"}), ErrorCode.UNKNOWN_TYPE),
     (msgpack.packb({"t": ["list"]}), ErrorCode.UNKNOWN_TYPE),
-    (msgpack.packb({"t": "Ack"}), ErrorCode.MISSING_FIELD),
-    (msgpack.packb({"t": "Ack", "rid": 7}), ErrorCode.BAD_FIELD),
-    (msgpack.packb({"t": "Done", "rid": "r", "num_blocks": True, "first_token": 1}),
-     ErrorCode.BAD_FIELD),
+    (msgpack.packb({"t": "AbortAck"}), ErrorCode.MISSING_FIELD),
+    (msgpack.packb({"t": "AbortAck", "rid": 7}), ErrorCode.BAD_FIELD),
+    (msgpack.packb({"t": "KvWritten", "rid": "r", "first_block": 0, "num_blocks": True,
+                    "head_start": 0, "head_end": 1}), ErrorCode.BAD_FIELD),
+    (msgpack.packb({"t": "Done", "rid": "r", "num_blocks": 1, "first_token": 1}),
+     ErrorCode.UNKNOWN_TYPE),                      # version 4 has no Done: never sent
     (b"\x00" * 70000, ErrorCode.OVERSIZED),
 ])
 def test_bad_control_frames_are_protocol_errors_never_crashes(frame, code):
@@ -59,7 +64,7 @@ def test_bad_control_frames_are_protocol_errors_never_crashes(frame, code):
     assert info.value.code == code
 
 
-_HELLO = dict(version=3, node="evil", role="decode", model="", num_layers=2,
+_HELLO = dict(version=4, node="evil", role="decode", model="", num_layers=2,
               num_draft_layers=1, total_kv_heads=4, head_dim=8, dtype="float32",
               page_size=4, tp_rank=0, tp_size=1, lease_ms=1000)
 
@@ -74,21 +79,28 @@ _HELLO = dict(version=3, node="evil", role="decode", model="", num_layers=2,
     ("Hello", {**_HELLO, "num_layers": -3}, "num_layers=-3"),
     ("Hello", {**_HELLO, "role": "router"}, "role"),
     ("Hello", {**_HELLO, "node": "a\nFAKE LOG LINE"}, "printable"),
-    ("Announce", {"rid": "r", "prompt_len": -5, "cached_tokens": 0, "dest_pages": b""},
-     "prompt_len=-5"),
-    ("Announce", {"rid": "r", "prompt_len": 8, "cached_tokens": 12,
-                  "dest_pages": b"\1\0\0\0\2\0\0\0"}, "cached_tokens=12"),
-    ("Announce", {"rid": "", "prompt_len": 4, "cached_tokens": 0,
-                  "dest_pages": b"\1\0\0\0"}, "rid must be"),
-    ("Announce", {"rid": "x" * 600, "prompt_len": 4, "cached_tokens": 0,
-                  "dest_pages": b"\1\0\0\0"}, "rid must be"),
+    ("Hello", {**_HELLO, "kv_digest": "md5"}, "kv_digest='md5'"),
+    ("Register", {"rid": "r", "prompt_len": -5, "cached_tokens": 0, "dest_pages": b"",
+                  "dest_epochs": b""}, "prompt_len=-5"),
+    ("Register", {"rid": "r", "prompt_len": 8, "cached_tokens": 8,
+                  "dest_pages": b"\1\0\0\0\2\0\0\0", "dest_epochs": b""},
+     "cached_tokens=8"),                          # the last position is always sent
+    ("Register", {"rid": "r", "prompt_len": 4, "cached_tokens": 0,
+                  "dest_pages": b"\1\0\0\0", "dest_epochs": b"\1" * 15}, "dest_epochs"),
+    ("Register", {"rid": "", "prompt_len": 4, "cached_tokens": 0,
+                  "dest_pages": b"\1\0\0\0", "dest_epochs": b""}, "rid must be"),
+    ("Register", {"rid": "x" * 600, "prompt_len": 4, "cached_tokens": 0,
+                  "dest_pages": b"\1\0\0\0", "dest_epochs": b""}, "rid must be"),
     ("KvChunk", {"rid": "r", "first_block": -1, "num_blocks": 1, "head_start": 0,
                  "head_end": 4, "nbytes": 8}, "first_block=-1"),
     ("KvChunk", {"rid": "r", "first_block": 0, "num_blocks": 0, "head_start": 0,
                  "head_end": 4, "nbytes": 8}, "num_blocks=0"),
     ("KvWritten", {"rid": "r", "first_block": 0, "num_blocks": 1, "head_start": 3,
                    "head_end": 1}, "head_end=1"),
-    ("Done", {"rid": "r", "num_blocks": 2, "first_token": -7}, "first_token=-7"),
+    ("KvWritten", {"rid": "r", "first_block": 0, "num_blocks": 1, "head_start": 0,
+                   "head_end": 1, "first_token": -7}, "first_token=-7"),
+    ("KvChunk", {"rid": "r", "first_block": 0, "num_blocks": 1, "head_start": 0,
+                 "head_end": 4, "nbytes": 8, "digest": -1}, "digest=-1"),
     ("Abort", {"rid": "r", "reason": "finished", "detail": ""}, "reason='finished'"),
     ("Heartbeat", {"seq": -1}, "seq=-1"),
 ])
@@ -227,7 +239,7 @@ def test_destination_pages_stay_pinned_after_a_decode_abort_until_the_prefill_ac
 def test_source_pages_stay_pinned_until_sent_and_the_row_free_is_deferred(pair):
     free0 = pair.pc.num_free_pages()
     kv_p, kv_d = _rows(pair, "r1", 17)
-    pair.tx.send("r1", kv_p, 8)          # before the Announce: pinned, queued
+    pair.tx.send("r1", kv_p, 8)          # before the Register: pinned, queued
     assert pair.tx.num_pins == 1
     pair.rx.announce("r1", kv_d, 17)
     pair.tx_events += pair.tx.poll(0.5)
@@ -251,8 +263,8 @@ def test_source_pages_stay_pinned_until_sent_and_the_row_free_is_deferred(pair):
 
 
 def test_source_pins_drop_in_the_poll_that_reports_completed(pair):
-    """The Ack settles the leg: the worker's row free right after COMPLETED is immediate,
-    whatever the MessageTracker of the connection's last frame says by then."""
+    """COMPLETED is the prefill's own transfer reporting done (the last frame's tracker):
+    its pins are gone by then, so the worker's row free right after it is immediate."""
     free0 = pair.pc.num_free_pages()
     kv_p, kv_d = _rows(pair, "r1", 17)
     pair.rx.announce("r1", kv_d, 17)
@@ -342,15 +354,15 @@ def test_prefill_answers_garbage_with_errors_and_keeps_serving(pair):
     hello = pair.rx.hello
     evil = _raw_dealer(ctx, pair.tx.address, None)
     try:
-        evil.send(encode(Ack(rid="x")))                       # before any Hello
+        evil.send(encode(AbortAck(rid="x")))                  # before any Hello
         assert _answers(pair.tx, evil, 1)[0].code == "not_handshaken"
         evil.send(encode(hello))
         assert isinstance(_answers(pair.tx, evil, 1)[0], Hello)
         evil.send(b"\xc1\xc1")                                 # malformed
-        evil.send_multipart([encode(Ack(rid="x")), b"extra"])  # frames it may not carry
-        evil.send(msgpack.packb({"t": "Announce", "rid": "a"}))  # truncated message
-        evil.send(raw("Announce", rid="a", prompt_len=8, cached_tokens=0,
-                      dest_pages=b"\x01\x00"))                   # ragged page ids
+        evil.send_multipart([encode(AbortAck(rid="x")), b"extra"])  # may carry no frame
+        evil.send(msgpack.packb({"t": "Register", "rid": "a"}))  # truncated message
+        evil.send(raw("Register", rid="a", prompt_len=8, cached_tokens=0,
+                      dest_pages=b"\x01\x00", dest_epochs=b""))    # ragged page ids
         evil.send(encode(KvChunk(rid="a", first_block=0, num_blocks=1, head_start=0,
                                  head_end=4, nbytes=4)))         # decode-only message
         codes = [m.code for m in _answers(pair.tx, evil, 5)]
@@ -410,6 +422,22 @@ class FakePrefill:
         self.ctx.term()
 
 
+def fake_chunk(dc, kv, rid: str, first: int, num: int, nbytes: int, payload=None,
+               first_token=None, epochs=None) -> bytes:
+    """A KvChunk header as a prefill writes it: the registration's epochs of its pages,
+    the payload's digest, the first token on the last one."""
+    from common.kv import digest_of_bytes
+    ps = dc.page_size
+    if epochs is None:
+        epochs = dc.page_epochs(kv, first * ps, min((first + num) * ps, kv.allocated_len)) \
+            if first * ps < kv.allocated_len else np.ones(num, np.uint64)
+    digest = None if payload is None else digest_of_bytes(
+        "xxh3_64", np.frombuffer(payload, np.uint8).reshape(num, -1))
+    return encode(KvChunk(rid=rid, first_block=first, num_blocks=num, head_start=0,
+                          head_end=4, nbytes=nbytes, epochs=pack_epochs(epochs),
+                          digest=digest, first_token=first_token))
+
+
 def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
     dc = make_cache(64, 4, layout())
     rx = KvReceiver(dc, config("d", lease_s=30.0))
@@ -422,22 +450,18 @@ def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
             dc.extend(rows[rid], 8)
             rx.announce(rid, rows[rid], 8)
         block = dc.data()[0].numel() * 4
-        chunk = lambda rid, nbytes, first=0: encode(KvChunk(   # noqa: E731
-            rid=rid, first_block=first, num_blocks=1, head_start=0, head_end=4,
-            nbytes=nbytes))
-        fake.send(chunk("nobody", block), b"\0" * block)             # unknown rid
-        fake.send(chunk("bad1", block))                               # truncated
-        fake.send(chunk("bad2", block), b"\0" * (block + 8))          # oversized
-        fake.send(chunk("bad3", block, first=5), b"\0" * block)       # outside its pages
+        fake.send(fake_chunk(dc, rows["good"], "nobody", 0, 1, block), b"\0" * block)
+        fake.send(fake_chunk(dc, rows["bad1"], "bad1", 0, 1, block))          # truncated
+        fake.send(fake_chunk(dc, rows["bad2"], "bad2", 0, 1, block),
+                  b"\0" * (block + 8))                                       # oversized
+        fake.send(fake_chunk(dc, rows["bad3"], "bad3", 5, 1, block),
+                  b"\0" * block)                                             # outside
         good = pattern(3, 8, dc.layout, 0, 4)
         write_row(dc, rows["good"], good)  # what the fake "sends", then wiped
         payload = dc.data()[dc.pages(rows["good"], 0, 8)].numpy().tobytes()
         dc.data().zero_()
-        for rid in ("good",):
-            fake.send(encode(KvChunk(rid=rid, first_block=0, num_blocks=2, head_start=0,
-                                     head_end=4, nbytes=2 * block)), payload)
-            fake.send(encode(__import__("transport.messages").messages.Done(
-                rid=rid, num_blocks=2, first_token=11)))
+        fake.send(fake_chunk(dc, rows["good"], "good", 0, 2, 2 * block, payload,
+                             first_token=11), payload)   # data and completion at once
         events = []
         deadline = time.monotonic() + 3
         while len(events) < 4 and time.monotonic() < deadline:
@@ -447,6 +471,7 @@ def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
                          "bad2": (EventKind.FAILED, "error"),
                          "bad3": (EventKind.FAILED, "error"),
                          "good": (EventKind.COMPLETED, "")}
+        assert [e.first_token for e in events if e.rid == "good"] == [11]
         assert torch_equal(read_row(dc, rows["good"], 0, 8), good)
         codes = [m.code for m in fake.recv_all() if type(m).__name__ == "Error"]
         assert sorted(codes) == ["bad_range", "oversized", "truncated", "unknown_rid"]
@@ -455,7 +480,7 @@ def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
             dc.free_kv_row(kv, [(0, 8)], reason="aborted" if "bad" in rid else "finished")
             dc.close_row(kv)
         for msg in ("bad1", "bad2", "bad3"):   # the fake confirms it stopped
-            fake.send(encode(__import__("transport.messages").messages.AbortAck(rid=msg)))
+            fake.send(encode(AbortAck(rid=msg)))
         deadline = time.monotonic() + 2
         while rx.transfers and time.monotonic() < deadline:
             rx.poll(0.01)
@@ -466,11 +491,12 @@ def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
         fake.close()
 
 
-def test_admission_deadline_then_lease_frees_the_destination(tmp_path):
+def test_progress_deadline_then_lease_frees_the_destination(tmp_path):
+    """A prefill that never sends: the registration's progress deadline fails the request
+    (its Abort goes unanswered), then the prefill's lease frees the pages."""
     dc = make_cache(64, 4, layout())
-    rx = KvReceiver(dc, config("d", admission_timeout_s=0.3, lease_s=0.8,
-                               heartbeat_s=0.1))
-    fake = FakePrefill(tmp_path, rx)   # never accepts, never heartbeats
+    rx = KvReceiver(dc, config("d", chunk_timeout_s=0.3, lease_s=0.8, heartbeat_s=0.1))
+    fake = FakePrefill(tmp_path, rx)   # never sends, never heartbeats
     try:
         free0 = dc.num_free_pages()
         kv = dc.open_row("r")

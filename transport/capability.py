@@ -1,11 +1,12 @@
-"""Which announces a prefill honours: per-request KV capabilities (docs/security.md).
+"""Which registrations ("announces") a prefill honours: per-request KV capabilities
+(docs/security.md).
 
 The router makes a random capability for every request and gives it to the request's
 decode and prefill only. The prefill worker registers it (``KvSender.expect``); the
-decode puts it in its ``Announce``. An announce is honoured only with the registered
+decode puts it in its ``Register``. An announce is honoured only with the registered
 capability; one with another is refused (``forbidden``) and counted, and leaves the
 request untouched for the real decode. Since the router's ``Req`` and the decode's
-``Announce`` travel on different connections, an announce may arrive before the
+``Register`` travel on different connections, an announce may arrive before the
 prefill knows the capability: it is held until then, at most ``hold_s`` (then refused),
 and at most a few per request and in all, so nobody can fill the prefill's memory.
 """
@@ -16,7 +17,7 @@ import hmac
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from .messages import Announce, ErrorCode, ProtocolError
+from .messages import ErrorCode, ProtocolError, Register
 from .peers import Peer
 
 # capabilities outlive their transfers (a late forged announce is refused at once, not
@@ -29,7 +30,7 @@ _MAX_HELD_PER_RID = 8   # ... and for one rid (TP ranks of the real decode, a fe
 @dataclass
 class Held:
     peer: Peer
-    msg: Announce
+    msg: Register
     t_arrival: float
 
 
@@ -47,7 +48,7 @@ class Capabilities:
         self._caps: OrderedDict[str, str] = OrderedDict()
         self._held: dict[str, list[Held]] = {}
 
-    def admit(self, peer: Peer, msg: Announce, now: float) -> bool:
+    def admit(self, peer: Peer, msg: Register, now: float) -> bool:
         """True: honour ``msg`` now; False: held until its capability is known.
 
         Raises:
@@ -115,14 +116,14 @@ class Capabilities:
     def num_held(self) -> int:
         return sum(len(hs) for hs in self._held.values())
 
-    def _check(self, want: str, msg: Announce) -> None:
+    def _check(self, want: str, msg: Register) -> None:
         if not hmac.compare_digest(want.encode(), msg.cap.encode()):
             self._refuse(msg, "wrong capability")
 
-    def _refuse(self, msg: Announce, why: str) -> None:
+    def _refuse(self, msg: Register, why: str) -> None:
         raise self._error(msg, why)
 
-    def _error(self, msg: Announce, why: str) -> ProtocolError:
+    def _error(self, msg: Register, why: str) -> ProtocolError:
         self.stats["refused.announce"] += 1
         return ProtocolError(ErrorCode.FORBIDDEN, f"announce of {msg.rid!r} refused: {why} "
                              "(the router gives each request's capability to its decode "

@@ -36,11 +36,16 @@ class TransportConfig:
     handshake_timeout_s: float = 10.0
     """Deadline for the peer's Hello answer when connecting."""
     admission_timeout_s: float = 30.0
-    """Decode: Announce -> Accepted. Prefill: first decode rank's Announce -> all of them."""
+    """Prefill: how long handed-over pages wait for every decode rank's ``Register`` (from
+    the first one, or from the first hand-over when none came yet): a missing registration
+    is the backpressure, bounded here."""
     chunk_timeout_s: float = 60.0
-    """Longest gap without progress (a chunk, Done, Ack) on a request in flight."""
+    """Longest gap without progress on a request in flight (decode: from its registration
+    or its last data message; prefill: from its last hand-over); also the longest wait
+    for an ``AbortAck`` from a peer that is alive."""
     done_timeout_s: float = 600.0
-    """Longest time from Announce to Done (decode) or from Accepted to Ack (prefill)."""
+    """Longest time from Register to the last data message (decode) or from every leg's
+    registration to the own transfers' completion (prefill)."""
     max_frame_bytes: int = 8 << 20
     """Prefill: coalesced page runs are cut into data frames of at most this many bytes
     (a page larger than this still travels as one frame), at most ``FRAME_BYTES_LIMIT``."""
@@ -49,7 +54,7 @@ class TransportConfig:
     received frames stay mapped between frames instead of being faulted in afresh for
     each (transport/frame_memory.py); False leaves malloc's defaults."""
     require_capability: bool = False
-    """Prefill: stream a request's KV only to a peer whose ``Announce`` carries the
+    """Prefill: stream a request's KV only to a peer whose ``Register`` carries the
     capability the worker registered with ``KvSender.expect`` (an announce that comes
     first waits for it, up to ``admission_timeout_s``). Serving workers always set it;
     off, any handshaken peer may announce any rid (tests, benchmarks)."""
@@ -61,6 +66,10 @@ class TransportConfig:
     """Data path: ``zmq`` (frames, or shared memory as above), ``nixl`` (NIXL WRITEs into
     the decode's registered pool; the handshake fails unless both ends use NIXL) or
     ``auto`` (NIXL when both ends offer it, else as ``zmq``). See transport/nixl.py."""
+    kv_integrity: bool = True
+    """Digest every transferred page run at the source and verify it where it lands
+    (``common.kv.digest``; docs/protocol.md, "Integrity"); off on either end turns it
+    off for the leg. Page epochs are checked either way."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -8,7 +8,7 @@ fail with a message that names the differing field (docs/design.md, "Transfer").
 
 from __future__ import annotations
 
-from common.kv import KvLayout
+from common.kv import KvLayout, preferred_digest
 
 from .config import TransportConfig
 from .messages import PROTOCOL_VERSION, Hello
@@ -44,11 +44,12 @@ _FAILED = "handshake_failed."
 
 def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: str,
                shm_pool: str = "", shm_pages: int = 0, shm_token: bytes = b"",
-               nixl_offer: dict | None = None) -> Hello:
+               nixl_offer: dict | None = None, device: str = "cpu") -> Hello:
     """This endpoint's ``Hello``; ``layout.num_kv_heads`` is the heads of this rank only.
 
     A decode passes its shared pool (``shm_pool``, ``shm_pages``, ``shm_token``) to offer
-    it, and either side its NIXL fields (``nixl_offer``, see transport/nixl.py)."""
+    it, and either side its NIXL fields (``nixl_offer``, see transport/nixl.py); ``device``
+    is where the pool lives (the digest this end offers, ``common.kv.digest``)."""
     offer = config.shared_memory and bool(shm_pool)
     return Hello(version=PROTOCOL_VERSION, node=config.node, role=role, model=config.model,
                  num_layers=layout.num_layers, num_draft_layers=layout.num_draft_layers,
@@ -58,7 +59,9 @@ def make_hello(config: TransportConfig, layout: KvLayout, page_size: int, role: 
                  lease_ms=int(config.lease_s * 1000), host_id=host_id(),
                  shm_pool=shm_pool if offer else "", shm_pages=shm_pages if offer else 0,
                  shm_token=shm_token if offer else b"", model_digest=config.model_digest,
-                 kv_transport=config.kv_transport, **(nixl_offer or {}))
+                 kv_transport=config.kv_transport,
+                 kv_digest=preferred_digest(device) if config.kv_integrity else "",
+                 **(nixl_offer or {}))
 
 
 def check(mine: Hello, theirs: Hello) -> None:

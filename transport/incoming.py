@@ -3,11 +3,13 @@ transitions.
 
     blocks of the row (block = page = page_size positions)
     [0, cached)        held already (prefix cache): never written by the transport
-    [cached, total)    pinned from Announce until every leg sent Done (or, after an
-                       abort, until every live leg sent AbortAck or was lost)
+    [cached, total)    pinned from Register until every leg's last data message landed
+                       (or, after an abort, until every live leg sent AbortAck or was lost)
 
-``Incoming`` changes only through its methods, which check what a peer says against the
-request (raising ``ProtocolError``); ``KvReceiver`` does the I/O.
+A leg is complete when each of its blocks landed once and its last message (the one with
+the first token) came; the request commits when every leg is. ``Incoming`` changes only
+through its methods, which check what a peer says against the request (raising
+``ProtocolError``); ``KvReceiver`` does the I/O.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from enum import IntEnum
 import numpy as np
 
 from .config import TransportConfig
-from .messages import Done, ErrorCode, KvChunk, KvWritten, ProtocolError
+from .integrity import unpack_epochs
+from .messages import ErrorCode, KvChunk, KvWritten, ProtocolError
 
 
 class InState(IntEnum):
-    ANNOUNCED = 1   # Announce sent; waiting for Accepted from every leg
-    STREAMING = 2   # chunks arrive; waiting for Done from every leg
+    STREAMING = 2   # Register sent; data messages land until every leg completed
     CLOSED = 3      # final event emitted (or aborted locally); waiting to unpin
 
 
@@ -35,11 +37,14 @@ class InLeg:
 
     peer: bytes
     heads: tuple[int, int]
-    accepted: bool = False
+    name: str = ""
+    digest: str = ""            # the leg's digest algorithm ("" integrity off)
     blocks_received: int = 0
+    landed: np.ndarray | None = None   # bool per block of the row: landed from this leg
     done: bool = False
     first_token: int | None = None
     abort_acked: bool = False
+    runs: list = field(default_factory=list)   # free-log entries of what landed
 
 
 @dataclass
@@ -49,13 +54,20 @@ class Incoming:
     prompt_len: int
     cached_blocks: int
     dest_pages: np.ndarray          # int64 page ids of blocks [0, total)
+    dest_epochs: np.ndarray         # uint64 epoch of each of them (as registered)
     pin_id: int | None
     legs: dict[bytes, InLeg] = field(default_factory=dict)
-    state: InState = InState.ANNOUNCED
+    state: InState = InState.STREAMING
+    refused: list = field(default_factory=list)   # free-log entries of refused messages
+    pending: list = field(default_factory=list)   # device digests still being computed
     t_start: float = field(default_factory=time.monotonic)
     t_progress: float = field(default_factory=time.monotonic)
     t_first_data: float = 0.0
     """When the first KV of any leg landed (0: none yet)."""
+
+    def __post_init__(self) -> None:
+        for leg in self.legs.values():
+            leg.landed = np.zeros(self.total_blocks, dtype=bool)
 
     @property
     def total_blocks(self) -> int:
@@ -70,18 +82,16 @@ class Incoming:
         """Closed, and no leg can still write into the destination pages."""
         return self.state == InState.CLOSED and self.abort_settled
 
-    # -- what the legs say ----------------------------------------------------------------
-    def accept(self, peer: bytes) -> None:
-        self.legs[peer].accepted = True
-        self.t_progress = time.monotonic()
-        if all(g.accepted for g in self.legs.values()):
-            self.state = InState.STREAMING
-
+    # -- what the legs send ---------------------------------------------------------------
     def leg_for_blocks(self, peer: bytes, msg: KvChunk | KvWritten) -> InLeg:
-        """The leg whose blocks ``msg`` carries, once they are within the request.
+        """The leg whose blocks ``msg`` carries, once they are within the request, new, and
+        travel with the epochs they were registered with.
 
         Raises:
-            ProtocolError: blocks outside ``[cached, total)`` or heads other than the leg's.
+            ProtocolError: ``bad_range`` for blocks outside ``[cached, total)``, heads other
+                than the leg's, or blocks this leg sent already; ``stale_pages`` for epochs
+                other than the registration's (a message of an older registration of this
+                rid, or of another request).
         """
         leg = self.legs[peer]
         lo, hi = msg.first_block, msg.first_block + msg.num_blocks
@@ -91,29 +101,39 @@ class Incoming:
                                 f"[{msg.head_start}, {msg.head_end}) outside blocks "
                                 f"[{self.cached_blocks}, {self.total_blocks}) heads "
                                 f"{leg.heads}", self.rid)
+        if leg.landed[lo:hi].any():
+            raise ProtocolError(ErrorCode.BAD_RANGE, f"blocks [{lo}, {hi}) sent twice",
+                                self.rid)
+        epochs = unpack_epochs(msg.epochs, hi - lo, self.rid)
+        if not np.array_equal(epochs, self.dest_epochs[lo:hi]):
+            i = int(np.flatnonzero(epochs != self.dest_epochs[lo:hi])[0])
+            raise ProtocolError(ErrorCode.STALE_PAGES, f"block {lo + i} (page "
+                                f"{int(self.dest_pages[lo + i])}) came with epoch "
+                                f"{int(epochs[i])}, registered with "
+                                f"{int(self.dest_epochs[lo + i])}", self.rid)
         return leg
 
-    def count_blocks(self, leg: InLeg, num_blocks: int) -> None:
-        leg.blocks_received += num_blocks
+    def count_blocks(self, leg: InLeg, msg: KvChunk | KvWritten) -> None:
+        lo, hi = msg.first_block, msg.first_block + msg.num_blocks
+        leg.landed[lo:hi] = True
+        leg.blocks_received += msg.num_blocks
+        if msg.first_token is not None:
+            leg.first_token = msg.first_token
         self.t_progress = time.monotonic()
         if not self.t_first_data:
             self.t_first_data = self.t_progress
 
-    def done(self, peer: bytes, msg: Done) -> int | None:
-        """Leg ``peer`` sent everything; the first token once every leg did.
+    def complete(self) -> int | None:
+        """The first token once every leg's blocks all landed with its last message (and
+        every device digest checked); None while any is missing.
 
         Raises:
-            ProtocolError: the leg's block count is wrong, or the legs disagree on the
-                first token.
+            ProtocolError: the legs disagree on the first token.
         """
-        leg = self.legs[peer]
-        self.t_progress = time.monotonic()
         want = self.total_blocks - self.cached_blocks
-        if msg.num_blocks != want or leg.blocks_received != want:
-            raise ProtocolError(ErrorCode.BAD_RANGE, f"Done after {leg.blocks_received} "
-                                f"blocks (says {msg.num_blocks}), expected {want}", self.rid)
-        leg.done, leg.first_token = True, msg.first_token
-        if not all(g.done for g in self.legs.values()):
+        for leg in self.legs.values():
+            leg.done = leg.first_token is not None and leg.blocks_received == want
+        if self.pending or not all(g.done for g in self.legs.values()):
             return None
         tokens = {g.first_token for g in self.legs.values()}
         if len(tokens) != 1:
@@ -137,9 +157,7 @@ class Incoming:
         self.state = InState.CLOSED
 
     def overdue(self, now: float, cfg: TransportConfig) -> str | None:
-        """What deadline ran out (``"admission"``, ``"progress"``, ``"abort_ack"``), if any."""
-        if self.state == InState.ANNOUNCED and now - self.t_start > cfg.admission_timeout_s:
-            return "admission"
+        """What deadline ran out (``"progress"``, ``"abort_ack"``), if any."""
         if self.state == InState.STREAMING and (now - self.t_progress > cfg.chunk_timeout_s
                                                 or now - self.t_start > cfg.done_timeout_s):
             return "progress"
@@ -151,3 +169,4 @@ class Incoming:
     def stop_waiting_for_abort_acks(self) -> None:
         for leg in self.legs.values():
             leg.abort_acked = True
+

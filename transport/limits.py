@@ -19,6 +19,8 @@ MAX_PAGE_SIZE = 1 << 20
 MAX_TP = 4096
 MAX_LEASE_MS = 3_600_000
 MAX_FRAME_BYTES = 1 << 40
+MAX_DIGEST = (1 << 64) - 1
+DIGESTS = ("", "xxh3_64", "fold64")  # a Hello's kv_digest ("" integrity off)
 ROLES = ("prefill", "decode")
 # The free reasons an Abort may carry: the peer frees its row with it (docs/protocol.md).
 ABORT_REASONS = ("aborted", "timeout", "error", "peer_lost")

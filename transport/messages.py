@@ -4,10 +4,16 @@
 Every message is a frozen dataclass with an explicit field list. On the wire it is one
 msgpack map ``{"t": <type name>, <field>: <value>, ...}``; a ``KvChunk`` header is
 followed by exactly one raw data frame (the page bytes), every other message by none.
-Page ids travel as little-endian int32 ``bytes``. Nothing is ever pickled. A field with a
-default (``Hello``'s same-host and NIXL fields, ``Announce.cap``) may be absent, so that
+Page ids travel as little-endian int32 ``bytes``, each with the epoch of the allocation
+that owns it (``integrity.pack_epochs``). Nothing is ever pickled. A field with a default
+(``Hello``'s same-host, NIXL and digest fields, ``Register.cap``) may be absent, so that
 an older ``Hello`` still decodes and fails the handshake on ``version`` rather than on a
 missing field.
+
+The success path of a request has one control message, the decode's ``Register``; the
+prefill's data messages (``KvChunk``, ``KvWritten``) carry the completion themselves (the
+leg's last one carries ``first_token``). ``Abort``, ``AbortAck`` and ``Error`` are the
+failure paths'; ``Heartbeat`` and ``Bye`` are per peer, not per request.
 
 ``decode`` never raises anything but ``ProtocolError``: unknown types, missing fields,
 wrong field types and undecodable bytes all become one, with an ``ErrorCode``.
@@ -26,8 +32,9 @@ from common.control import Codec, DecodeError, pack_ids, unpack_ids
 from . import limits as L
 from .limits import INT32_MAX
 
-PROTOCOL_VERSION = 3  # 2: shared-memory data path (KvWritten); 3: segment token, checks,
-# Announce.cap (the request's KV capability)
+PROTOCOL_VERSION = 4  # 2: shared-memory data path (KvWritten); 3: segment token, checks,
+# Announce.cap (the request's KV capability); 4: the lean protocol (Register with page
+# epochs; data messages carry epochs, digest and completion; no Accepted, Done, Ack)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_NIXL_MD_BYTES = 48 * 1024  # a NIXL agent's metadata rides in the Hello header
 KV_TRANSPORTS = ("zmq", "nixl", "auto")
@@ -48,7 +55,9 @@ class ErrorCode(str, Enum):
     DUPLICATE_RID = "duplicate_rid"    # announce of a rid already in flight from that peer
     NOT_HANDSHAKEN = "not_handshaken"  # anything but Hello before a successful Hello
     HANDSHAKE = "handshake"            # version/layout/TP mismatch (detail names the field)
-    FORBIDDEN = "forbidden"            # an announce without the request's capability
+    FORBIDDEN = "forbidden"            # a registration without the request's capability
+    STALE_PAGES = "stale_pages"        # pages/epochs that are not the request's allocation
+    CORRUPT = "corrupt"                # a digest of what landed differs from what was sent
     INTERNAL = "internal"              # a bug on the answering side; request failed
 
 
@@ -94,6 +103,8 @@ class Hello:
     nixl_addr: int = 0    # decode: address of page 0 of the registered pool
     nixl_dev: int = 0     # decode: device id of that pool (0 for DRAM)
     nixl_pages: int = 0   # decode: pages of that pool
+    # version 4: the digest this end computes over page runs ("" integrity off)
+    kv_digest: str = ""
 
     def __post_init__(self) -> None:
         for name in ("node", "dtype", "host_id", "model_digest"):
@@ -124,44 +135,46 @@ class Hello:
         if len(self.nixl_md) > MAX_NIXL_MD_BYTES:
             raise ValueError(f"nixl_md of {len(self.nixl_md)} bytes; at most "
                              f"{MAX_NIXL_MD_BYTES}")
+        if self.kv_digest not in L.DIGESTS:
+            raise ValueError(f"kv_digest={self.kv_digest[:40]!r}; allowed: {L.DIGESTS}")
 
 
 @dataclass(frozen=True)
-class Announce:
-    """Decode -> prefill: rows are preallocated, stream the KV of ``rid`` into them."""
+class Register:
+    """Decode -> prefill, the one control message of a request's success path: rows are
+    allocated; stream the KV of ``rid`` into them. Sent when the decode admits the
+    request, so it travels while the prefill computes."""
 
     rid: str
     prompt_len: int
     cached_tokens: int   # positions [0, cached_tokens) already held (prefix cache); page-aligned
     dest_pages: bytes    # int32 page ids of positions [0, prompt_len) in the decode pool
-    cap: str = ""        # version 3: the request's KV capability from the router
+    dest_epochs: bytes   # the allocation epoch of each of them (integrity.pack_epochs)
+    cap: str = ""        # the request's KV capability from the router
 
     def __post_init__(self) -> None:
         L.rid(self)
         L.ints(self, prompt_len=(1, INT32_MAX))
-        L.ints(self, cached_tokens=(0, self.prompt_len))
+        # the last position is always sent: its message carries the first token
+        L.ints(self, cached_tokens=(0, self.prompt_len - 1))
         L.text(self, "cap", L.MAX_CAP)
         if len(self.dest_pages) % 4:
             raise ValueError(f"dest_pages: {len(self.dest_pages)} bytes is not int32s")
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """Prefill -> decode: every decode rank needed for ``rid`` announced; streaming follows."""
-
-    rid: str
-
-    def __post_init__(self) -> None:
-        L.rid(self)
+        if len(self.dest_epochs) % 16:
+            raise ValueError(f"dest_epochs: {len(self.dest_epochs)} bytes is not "
+                             "(epoch, count) pairs")
 
 
 @dataclass(frozen=True)
 class KvChunk:
     """Prefill -> decode header of one data frame: ``num_blocks`` row blocks (pages).
 
-    Row block ``first_block + i`` goes to ``dest_pages[first_block + i]`` of the announce;
-    the frame holds heads ``[head_start, head_end)`` (global numbering) of every layer,
-    laid out ``[num_blocks, total_layers, 2, page_size, head_end - head_start, head_dim]``.
+    Row block ``first_block + i`` goes to ``dest_pages[first_block + i]`` of the
+    registration; the frame holds heads ``[head_start, head_end)`` (global numbering) of
+    every layer, laid out ``[num_blocks, total_layers, 2, page_size, head_end - head_start,
+    head_dim]``. ``epochs`` repeats the registration's epochs of those pages, ``digest``
+    is the frame's (None: integrity off on this leg), and the leg's last message carries
+    ``first_token``: it is the leg's completion.
     """
 
     rid: str
@@ -170,6 +183,9 @@ class KvChunk:
     head_start: int
     head_end: int
     nbytes: int
+    epochs: bytes = b""
+    digest: int | None = None
+    first_token: int | None = None
 
     def __post_init__(self) -> None:
         _check_blocks(self)
@@ -178,41 +194,22 @@ class KvChunk:
 
 @dataclass(frozen=True)
 class KvWritten:
-    """Prefill -> decode, shared-memory legs: blocks ``[first_block, first_block +
-    num_blocks)``, heads ``[head_start, head_end)``, were copied straight into the decode's
-    ``dest_pages`` (no data frame follows). Sent after the copy finished."""
+    """Prefill -> decode, one-sided legs (shared memory, a NIXL write's notification):
+    blocks ``[first_block, first_block + num_blocks)``, heads ``[head_start, head_end)``,
+    were written straight into the decode's ``dest_pages`` (no data frame follows). Sent
+    after the write finished; ``epochs``, ``digest`` and ``first_token`` as ``KvChunk``'s."""
 
     rid: str
     first_block: int
     num_blocks: int
     head_start: int
     head_end: int
+    epochs: bytes = b""
+    digest: int | None = None
+    first_token: int | None = None
 
     def __post_init__(self) -> None:
         _check_blocks(self)
-
-
-@dataclass(frozen=True)
-class Done:
-    """Prefill -> decode: the whole prompt's KV was sent; ``first_token`` is the first output."""
-
-    rid: str
-    num_blocks: int      # blocks sent in total for this rid to this rank
-    first_token: int
-
-    def __post_init__(self) -> None:
-        L.rid(self)
-        L.ints(self, num_blocks=(0, INT32_MAX), first_token=(0, INT32_MAX))
-
-
-@dataclass(frozen=True)
-class Ack:
-    """Decode -> prefill: every chunk of ``rid`` and its ``Done`` arrived and was written."""
-
-    rid: str
-
-    def __post_init__(self) -> None:
-        L.rid(self)
 
 
 @dataclass(frozen=True)
@@ -279,10 +276,16 @@ def _check_blocks(msg: KvChunk | KvWritten) -> None:
     L.ints(msg, first_block=(0, INT32_MAX), num_blocks=(1, INT32_MAX),
            head_start=(0, L.MAX_DIM - 1))
     L.ints(msg, head_end=(msg.head_start + 1, L.MAX_DIM))
+    if len(msg.epochs) % 16:
+        raise ValueError(f"epochs: {len(msg.epochs)} bytes is not (epoch, count) pairs")
+    if msg.digest is not None:
+        L.ints(msg, digest=(0, L.MAX_DIGEST))
+    if msg.first_token is not None:
+        L.ints(msg, first_token=(0, INT32_MAX))
 
 
-Message = (Hello | Announce | Accepted | KvChunk | KvWritten | Done | Ack | Abort | AbortAck
-           | Heartbeat | Bye | Error)
+Message = (Hello | Register | KvChunk | KvWritten | Abort | AbortAck | Heartbeat | Bye
+           | Error)
 CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_HEADER_BYTES)
 
 

@@ -6,7 +6,8 @@ pool's place in its ``Hello``; a prefill that also speaks NIXL loads that metada
 from then on, WRITEs each run of blocks straight into the decode's destination pages
 with a notification (the run's ``KvWritten``, msgpack) that the decode counts
 (``nixl_channel.NixlChannel`` on the prefill, ``nixl_target.NixlTarget`` on the decode).
-Control (Announce, Accepted, Done, Ack, Abort, heartbeats) stays on ZMQ.
+Control (the decode's Register; Abort, AbortAck, heartbeats on failure paths and per
+peer) stays on ZMQ; a write's notification is its completion.
 
 Memory is registered as DRAM for a CPU pool and VRAM for a CUDA pool (device id from the
 tensor); only DRAM is exercised by the tests.
@@ -255,6 +256,28 @@ class Agent:
         handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
                                    a.get_xfer_descs(remote, remote_mem), peer, notif)
         return handle, a.transfer(handle)
+
+    def prep(self, geom: PoolGeom, agent: str = "NIXL_INIT_AGENT"):
+        """A prepared descriptor list of one whole-page descriptor per page of ``geom``'s
+        pool (local with ``NIXL_INIT_AGENT``, else the named peer's): made once per peer,
+        so that a request posts index arrays only (``write_prepped``)."""
+        descs = run_descs(geom, list(range(geom.num_pages)), [1] * geom.num_pages)
+        return self.agent.prep_xfer_dlist(agent, descs, geom.mem)
+
+    def write_prepped(self, local, src_pages: np.ndarray, remote, dst_pages: np.ndarray,
+                      notif: bytes):
+        """Post a WRITE of pages ``src_pages`` into ``dst_pages`` (indices into the prepared
+        lists ``local`` and ``remote``) with ``notif``; returns ``(handle, state)``."""
+        handle = self.agent.make_prepped_xfer(
+            "WRITE", local, np.asarray(src_pages, np.int32), remote,
+            np.asarray(dst_pages, np.int32), notif)
+        return handle, self.agent.transfer(handle)
+
+    def unprep(self, dlist) -> None:
+        try:
+            self.agent.release_dlist_handle(dlist)
+        except Exception as exc:  # closing anyway
+            logger.debug("%s: release_dlist_handle: %r", self.name, exc)
 
     def state(self, handle) -> str:
         return self.agent.check_xfer_state(handle)

@@ -4,12 +4,16 @@
 registered pool, one ``NixlChannel`` per decode peer that offered NIXL, and the control
 messages that must wait for writes. Why a late write never lands in pages the decode
 reused (docs/protocol.md):
-- each run is one NIXL WRITE whose notification is the run's ``KvWritten``; the write is
-  ``DONE`` only after its bytes and notification left for the peer (NIXL flushes before
-  notifying), and the source pin is held until then (``NixlWrite.done``);
-- ``Done``, ``Abort`` and ``AbortAck`` promise the decode that no more bytes of a request
-  come, so they are held back (``hold``) while a write of that request is in flight, and
-  sent by ``poll`` once every one completed, failed or was cancelled;
+- each piece of a run is one NIXL WRITE whose notification is the piece's ``KvWritten``
+  (its epochs and digest; the leg's last also its first token: the completion); the write
+  is ``DONE`` only after its bytes and notification left for the peer (NIXL flushes
+  before notifying), and the source pin is held until then (``NixlWrite.done``);
+- ``Abort`` and ``AbortAck`` promise the decode that no more bytes of a request come, so
+  they are held back (``hold``) while a write of that request is in flight, and sent by
+  ``poll`` once every one completed, failed or was cancelled;
+- setup is once per peer: the decode's metadata is loaded and a descriptor list over
+  every page of both pools prepared at the handshake; a request whose legs move whole
+  pages posts index arrays only (``nixl.Agent.write_prepped``);
 - writes start only while our last message to the peer is younger than half our lease
   (the decode declares us lost after a whole lease of silence), as on the shm path;
 - a failed write (the peer vanished, its endpoint broke) loses the peer: its requests fail
@@ -25,8 +29,10 @@ from collections import Counter, defaultdict
 import torch
 import zmq
 
+from common.kv import digest_of_pages, digest_value
+
 from . import nixl
-from .channel import BlockRun, Completion, DataChannel
+from .channel import BlockRun, DataChannel, Posted, PostFailed
 from .config import TransportConfig
 from .messages import Hello, KvWritten, Message, encode
 
@@ -62,48 +68,84 @@ class NixlChannel(DataChannel):
 
     Args:
         agent: this prefill's agent; ``peer_agent``: the decode's agent name.
-        local: this rank's pool; ``remote``: the decode rank's registered pool.
+        local: this rank's pool (``data`` its tensor, ``local_dlist`` its prepared list);
+            ``remote``: the decode rank's registered pool.
         dst_heads: where a leg's global heads lie in the decode rank's head axis.
+        max_piece_bytes: a run is cut into WRITEs of at most this many bytes, so that the
+            decode checks one piece's digest while the next moves.
     """
 
     name = "nixl"
 
     def __init__(self, agent: nixl.Agent, local: nixl.PoolGeom, remote: nixl.PoolGeom,
-                 peer_agent: str, dst_heads: slice, stats: Counter):
+                 peer_agent: str, dst_heads: slice, stats: Counter, data=None,
+                 local_dlist=None, max_piece_bytes: int = 32 << 20):
         self.agent, self.local, self.remote = agent, local, remote
         self.peer_agent, self.dst_heads, self.stats = peer_agent, dst_heads, stats
+        self.data, self.local_dlist = data, local_dlist
+        self.max_piece_bytes = max_piece_bytes
+        self.remote_dlist = None
+        if local_dlist is not None and remote.num_heads == local.num_heads:
+            self.remote_dlist = agent.prep(remote, peer_agent)
         self.in_flight_by_rid: dict[str, list[NixlWrite]] = defaultdict(list)
         self.failures: list[str] = []
 
-    def send_blocks(self, run: BlockRun) -> list[Completion]:
-        """Post one WRITE of the run (heads ``run.src_heads`` into ``dst_heads`` of
-        ``run.dest_pages``) with its ``KvWritten`` as the notification."""
+    def send_blocks(self, run: BlockRun) -> Posted:
+        """Post the run as WRITEs (heads ``run.src_heads`` into ``dst_heads`` of
+        ``run.dest_pages``), each with its ``KvWritten`` as the notification."""
         dest = run.dest_pages
         if len(dest) and (dest.min() < 1 or dest.max() >= self.remote.num_pages):
-            self._unreachable(f"{run.rid}: dest pages [{dest.min()}, {dest.max()}] outside "
-                              f"the peer's pool of {self.remote.num_pages} pages")
-        local, remote = nixl.write_descs(self.local, run.src_pages, run.src_heads,
-                                         self.remote, dest, self.dst_heads)
-        notif = encode(KvWritten(rid=run.rid, first_block=run.first_block,
-                                 num_blocks=len(dest), head_start=run.heads[0],
-                                 head_end=run.heads[1]))
+            self.stats["nixl_post_failed"] += 1
+            raise PostFailed(f"dest pages [{dest.min()}, {dest.max()}] outside the peer's "
+                             f"pool of {self.remote.num_pages} pages")
         if self.local.mem == "VRAM":
             # UCX reads VRAM outside torch's streams: the kernels that computed this KV
             # must have finished first (the frame path's device-to-host copy waits too)
             torch.cuda.synchronize(self.local.dev)
+        nh = run.src_heads.stop - run.src_heads.start
+        block = self.local.head_bytes * self.local.rows * nh
+        step = max(1, self.max_piece_bytes // block)
+        posted = Posted()
+        for start in range(0, len(dest), step):
+            write = self._post(run, start, min(len(dest), start + step), posted)
+            if write is not None:
+                posted.completions.append(write)
+        return posted
+
+    def _post(self, run: BlockRun, start: int, end: int, posted: Posted) -> NixlWrite | None:
+        src, dest = run.src_pages[start:end], run.dest_pages[start:end]
+        digest = None
+        if run.digest:  # a device fold is read here: after the synchronize above anyway
+            digest = digest_value(digest_of_pages(run.digest, self.data, src, run.src_heads))
+        notif = encode(KvWritten(**run.piece(start, end), digest=digest))
+        whole = run.src_heads.stop - run.src_heads.start == self.local.num_heads
         try:
-            handle, state = self.agent.write(local, self.local.mem, remote, self.remote.mem,
-                                             self.peer_agent, notif)
-        except Exception as exc:  # a vanished peer raises here (nixlRemoteDisconnectError)
-            self._unreachable(f"{run.rid}: posting a write failed: {exc!r}")
+            if whole and self.remote_dlist is not None:
+                handle, state = self.agent.write_prepped(self.local_dlist, src,
+                                                         self.remote_dlist, dest, notif)
+            else:
+                local, remote = nixl.write_descs(self.local, src, run.src_heads,
+                                                 self.remote, dest, self.dst_heads)
+                handle, state = self.agent.write(local, self.local.mem, remote,
+                                                 self.remote.mem, self.peer_agent, notif)
+        except Exception as exc:
+            if "Disconnect" in type(exc).__name__:   # nixlRemoteDisconnectError: peer gone
+                self._unreachable(f"{run.rid}: posting a write failed: {exc!r}")
+            self.stats["nixl_post_failed"] += 1     # this request's post: it fails alone
+            logger.error("%s -> %s: %s: posting a write failed: %r", self.agent.name,
+                         self.peer_agent, run.rid, exc)
+            raise PostFailed(f"posting a NIXL write failed: {exc!r}") from exc
         write = NixlWrite(self, run.rid, handle, state)
+        posted.entries.append(run.entry(start, end, digest))
         self.stats["nixl_writes"] += 1
-        self.stats["bytes_sent"] += int(local[:, 1].sum())
+        self.stats["sent.KvWritten"] += 1
+        self.stats["bytes_sent"] += (end - start) * self.local.head_bytes * self.local.rows \
+            * (run.src_heads.stop - run.src_heads.start)
         if state != "PROC":  # completed inside transfer() (same-host cma) or failed at once
             self.settle(write)
-            return []
+            return None
         self.in_flight_by_rid[run.rid].append(write)
-        return [write]
+        return write
 
     def _unreachable(self, why: str) -> None:
         """Nothing was written: the caller loses the peer, as when a ZMQ peer vanished."""
@@ -142,6 +184,9 @@ class NixlChannel(DataChannel):
                     writes.remove(w)
         self.in_flight_by_rid = defaultdict(list, {r: w for r, w in
                                                    self.in_flight_by_rid.items() if w})
+        if self.remote_dlist is not None:
+            self.agent.unprep(self.remote_dlist)
+            self.remote_dlist = None
         self.agent.remove_peer(self.peer_agent)
 
 
@@ -152,10 +197,13 @@ class NixlSource:
     ``accept`` answers a decode's offer with a channel (or None to fall back).
     """
 
-    def __init__(self, node: str, data, stats: Counter):
+    def __init__(self, node: str, data, stats: Counter, max_piece_bytes: int = 32 << 20):
         self.agent = nixl.Agent(node)
+        self.data = data
         self.geom = self.agent.register(data)
+        self.dlist = self.agent.prep(self.geom)  # every local page, once
         self.stats = stats
+        self.max_piece_bytes = max_piece_bytes
         self.channels: dict[bytes, NixlChannel] = {}
         self._held: list[tuple[bytes, str, Message]] = []
 
@@ -180,7 +228,14 @@ class NixlSource:
                            self.agent.name, hello.node, name, hello.nixl_agent)
             self.agent.remove_peer(name)
             return None
-        channel = NixlChannel(self.agent, self.geom, remote, name, dst_heads, self.stats)
+        try:
+            channel = NixlChannel(self.agent, self.geom, remote, name, dst_heads, self.stats,
+                                  self.data, self.dlist, self.max_piece_bytes)
+        except Exception as exc:  # a remote list NIXL cannot prepare: as if refused
+            logger.warning("%s: cannot prepare %s's pages: %r", self.agent.name, hello.node,
+                           exc)
+            self.agent.remove_peer(name)
+            return None
         self.channels[key] = channel
         return channel
 
@@ -190,7 +245,7 @@ class NixlSource:
             channel.drop()
 
     def hold(self, key: bytes, rid: str, msg: Message) -> bool:
-        """Keep ``msg`` (Done, Abort, AbortAck of ``rid``) until no write of ``rid`` to
+        """Keep ``msg`` (Abort, AbortAck of ``rid``) until no write of ``rid`` to
         ``key`` is in flight; False when nothing is in flight (send it now)."""
         channel = self.channels.get(key)
         waiting = any(k == key and r == rid for k, r, _ in self._held)
@@ -242,6 +297,7 @@ class NixlSource:
         for key in list(self.channels):
             self.drop(key)
         self._held.clear()
+        self.agent.unprep(self.dlist)
         self.agent.close()
 
 

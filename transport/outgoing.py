@@ -3,8 +3,14 @@
     blocks of the row (block = page = page_size positions)
     [0, cached)          decode holds these already (prefix cache): never sent
     [cached, sent)       framed and queued to every leg
-    [sent, handed)       handed over by the worker and pinned, waiting for Accepted
+    [sent, handed)       handed over by the worker and pinned, waiting for every leg's
+                         registration (the prompt's last block also for ``finish``: its
+                         message carries the first token)
     [handed, total)      not computed yet (a partial last page waits for ``finish``)
+
+The request completes on this side when every block went out with the last message to
+each leg and its own transfers report done (trackers, copies, NIXL writes): nobody sends
+Done or Ack.
 
 ``Outgoing`` changes only through its methods; ``KvSender`` does the I/O they call for
 (sending, pinning, unpinning, events).
@@ -22,14 +28,15 @@ import numpy as np
 from . import tp
 from .channel import Completion
 from .config import TransportConfig
+from .integrity import unpack_epochs
 from .limits import INT32_MAX
-from .messages import Announce, ErrorCode, Hello, ProtocolError, pages_from_bytes
+from .messages import ErrorCode, Hello, ProtocolError, Register, pages_from_bytes
 
 
 class OutState(IntEnum):
-    ASSEMBLING = 1   # waiting for every overlapping decode rank's Announce
-    STREAMING = 2    # Accepted sent; chunks flow as the worker hands them over
-    DONE_SENT = 3    # Done sent to every leg; waiting for their Ack
+    ASSEMBLING = 1   # waiting for every overlapping decode rank's Register
+    STREAMING = 2    # every leg registered; chunks flow as the worker hands them over
+    DRAINING = 3     # every block went out; waiting for our own transfers to report done
     CLOSED = 4       # final event emitted (or aborted here); removed once unpinned
 
     @property
@@ -44,19 +51,23 @@ class Leg:
     peer: bytes
     heads: tuple[int, int]
     dest_pages: np.ndarray
-    acked: bool = False
+    dest_epochs: np.ndarray
+    name: str = ""
+    digest: str = ""  # the leg's digest algorithm ("" integrity off)
     abort_acked: bool = False
 
 
 @dataclass
 class SendPin:
-    """One ``KvCache`` pin over blocks ``[first, end)`` and the sends that read them."""
+    """One ``KvCache`` pin over blocks ``[first, end)``, the sends that read them and
+    the free-log entries of their messages, by leg."""
 
     pin_id: int
     first: int
     end: int
     flushed: bool = False
     completions: list[tuple[bytes, Completion]] = field(default_factory=list)
+    entries: dict[bytes, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Outgoing:
     finished: bool = False
     first_token: int = 0
     pins: list[SendPin] = field(default_factory=list)
+    aborted: bool = False
     t_start: float = field(default_factory=time.monotonic)
     t_progress: float = field(default_factory=time.monotonic)
 
@@ -88,8 +100,8 @@ class Outgoing:
     # -- admission -----------------------------------------------------------------------
     def add_leg(self, leg: Leg, prompt_len: int, cached_blocks: int, total_blocks: int,
                 expected_legs: int) -> bool:
-        """Record one decode rank's Announce (the first fixes the shape); True once every
-        overlapping rank announced."""
+        """Record one decode rank's Register (the first fixes the shape); True once every
+        overlapping rank registered."""
         if not self.legs:
             self.prompt_len, self.cached_blocks = prompt_len, cached_blocks
             self.total_blocks, self.expected_legs = total_blocks, expected_legs
@@ -108,29 +120,29 @@ class Outgoing:
         self.src_pages = np.concatenate([self.src_pages, pages])
 
     def unsent(self) -> tuple[int, int]:
-        """Blocks ``[first, end)`` handed over but not sent yet (empty unless STREAMING)."""
+        """Blocks ``[first, end)`` handed over but not sent yet (empty unless STREAMING).
+        The prompt's last block waits for ``finish``: its message is the completion."""
         if self.state != OutState.STREAMING:
             return 0, 0
-        return max(self.sent, self.cached_blocks), min(self.handed, self.total_blocks)
+        last = self.total_blocks if self.finished else self.total_blocks - 1
+        return max(self.sent, self.cached_blocks), min(self.handed, last)
 
     def mark_sent(self, end: int) -> bool:
-        """Blocks up to ``end`` are queued to every leg; True when ``Done`` is due now."""
+        """Blocks up to ``end`` are queued to every leg; True when the last went out now
+        (the request drains: its completion is its own transfers')."""
         self.sent = max(self.sent, end)
         for pin in self.pins:
             pin.flushed = pin.flushed or pin.end <= max(self.sent, self.cached_blocks)
-        return self.finished and self.sent >= self.total_blocks
-
-    def mark_done_sent(self) -> None:
-        self.state = OutState.DONE_SENT
-        self.t_progress = time.monotonic()
-
-    def ack(self, peer: bytes) -> bool:
-        """Leg ``peer`` acknowledged everything; True when the request is complete now."""
-        self.legs[peer].acked = True
-        if self.state == OutState.DONE_SENT and all(g.acked for g in self.legs.values()):
-            self.state = OutState.CLOSED
+        if self.finished and self.sent >= self.total_blocks:
+            self.state = OutState.DRAINING
+            self.t_progress = time.monotonic()
             return True
         return False
+
+    @property
+    def drained(self) -> bool:
+        """Every block went out and no transfer still reads a source page."""
+        return self.state == OutState.DRAINING and not self.pins
 
     # -- ending --------------------------------------------------------------------------
     def legs_to_abort(self, is_live: Callable[[bytes], bool]) -> list[Leg]:
@@ -144,18 +156,19 @@ class Outgoing:
         self.t_progress = time.monotonic()
         return todo
 
-    def close(self) -> None:
+    def close(self, aborted: bool = False) -> None:
         self.state = OutState.CLOSED
+        self.aborted = self.aborted or aborted
 
     def overdue(self, now: float, cfg: TransportConfig) -> str | None:
         """What deadline ran out (``"admission"``, ``"progress"``, ``"abort_ack"``), if any."""
         if self.state == OutState.ASSEMBLING and now - self.t_start > cfg.admission_timeout_s:
             return "admission"
-        if self.state in (OutState.STREAMING, OutState.DONE_SENT) and (
+        if self.state in (OutState.STREAMING, OutState.DRAINING) and (
                 now - self.t_progress > cfg.chunk_timeout_s
                 or now - self.t_start > cfg.done_timeout_s):
             return "progress"
-        if self.state == OutState.CLOSED and not self.abort_settled and (
+        if self.aborted and not self.abort_settled and (
                 now - self.t_progress > cfg.chunk_timeout_s):
             return "abort_ack"
         return None
@@ -164,25 +177,23 @@ class Outgoing:
         for leg in self.legs.values():
             leg.abort_acked = True
 
-    def releasable_pins(self, lost: Container[bytes]) -> list[int]:
-        """Pin ids that no live peer can still read; they leave ``pins``.
+    def releasable_pins(self, lost: Container[bytes]) -> list[SendPin]:
+        """Pins that no live peer can still read; they leave ``pins``.
 
-        A leg's completions are settled by its tracker, by its Ack (the decode holds every
-        byte, so ZMQ will not read the pages again; the tracker of a connection's last
-        frame can lag until the next message leaves) or by the peer's loss. So pins drop
-        in the very poll that reports COMPLETED, and the worker's row free is immediate.
+        A leg's completions are settled by its own transfer (the last frame's tracker, a
+        synchronous copy, a NIXL write's ``DONE``) or by the peer's loss; after an abort,
+        also by every live leg's ``AbortAck``. The request's COMPLETED follows in the poll
+        that drops its last pin, so the worker's row free is immediate.
         """
-        settled = {k for k, g in self.legs.items() if g.acked or k in lost}
-        aborting = self.state == OutState.CLOSED and self.legs and not all(
-            g.acked for g in self.legs.values())
         keep, free = [], []
+        aborting = self.aborted and not self.abort_settled
         for pin in self.pins:
-            busy = any(not done.done for key, done in pin.completions if key not in settled)
+            busy = any(not done.done for key, done in pin.completions if key not in lost)
             unsent = not pin.flushed and not self.state.is_final
-            if busy or unsent or (aborting and not self.abort_settled):
+            if busy or unsent or aborting:
                 keep.append(pin)
             else:
-                free.append(pin.pin_id)
+                free.append(pin)
         self.pins = keep
         return free
 
@@ -191,9 +202,9 @@ class Outgoing:
         return self.state == OutState.CLOSED and not self.pins
 
 
-def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
-                  out: Outgoing | None, dest_limit: int | None) -> Leg:
-    """The leg a decode rank's ``Announce`` asks for, checked against the prompt's shape
+def registered_leg(mine: Hello, key: bytes, theirs: Hello, msg: Register,
+                   out: Outgoing | None, dest_limit: int | None) -> Leg:
+    """The leg a decode rank's ``Register`` asks for, checked against the prompt's shape
     and the request's other legs.
 
     Args:
@@ -201,11 +212,12 @@ def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
             every destination page id must lie in ``[1, dest_limit)``.
     Raises:
         ProtocolError: page ids that do not cover the prompt (or repeat, or are 0 -
-            reserved - or lie outside the pool we write), a misaligned prefix, ranks that
-            disagree, or a rank that shares no heads with this one.
+            reserved - or lie outside the pool we write), epochs that do not cover them,
+            a misaligned prefix, ranks that disagree, or a rank that shares no heads with
+            this one.
     """
     ps = mine.page_size
-    dest = pages_from_bytes(msg.dest_pages, "Announce.dest_pages")
+    dest = pages_from_bytes(msg.dest_pages, "Register.dest_pages")
     total = -(-msg.prompt_len // ps)
     if msg.prompt_len < 1 or len(dest) != total:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"prompt_len={msg.prompt_len} needs "
@@ -228,4 +240,5 @@ def announced_leg(mine: Hello, key: bytes, theirs: Hello, msg: Announce,
     if heads is None:
         raise ProtocolError(ErrorCode.BAD_RANGE, f"decode rank {theirs.tp_rank} shares no "
                             f"KV heads with prefill rank {mine.tp_rank}", msg.rid)
-    return Leg(key, heads, dest)
+    epochs = unpack_epochs(msg.dest_epochs, len(dest), msg.rid)
+    return Leg(key, heads, dest, epochs)

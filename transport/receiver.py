@@ -11,14 +11,18 @@ A worker's loop::
     for ev in rx.poll(0.01):   # COMPLETED carries first_token; ABORTED/FAILED carry reason
         ...
 
-Data frames are checked against the request's announce and copied once from ZMQ's
-buffer into the destination pages (``receiver_data``). With a shared pool
-(``KvCache(shared_memory=True)``) the receiver offers it and a same-host prefill writes
-the pages itself (``KvWritten``, no frame).
+``announce`` sends the request's one control message, ``Register`` (destination pages and
+their allocation epochs). Data messages are checked against it - blocks, heads, epochs
+(and the allocator's current owner and epoch of each page), digest - and a frame lands
+only then, copied once from ZMQ's buffer into the destination pages (``receiver_data``).
+With a shared pool (``KvCache(shared_memory=True)``) or NIXL the prefill writes the pages
+itself (``KvWritten``, no frame), and the pages are checked after. The request is
+COMPLETED when every leg's blocks landed with its last message (the first token).
 
 Destination pages are pinned from ``announce`` until every sending rank is done with them;
 on ABORTED/FAILED the worker frees its row with ``event.reason`` at once (the pin defers
-the pages' release until the peer confirmed it stopped or its lease ran out).
+the pages' release until the peer confirmed it stopped or its lease ran out). The unpin
+records what landed (``xfer``: digests, refusals) in the free log.
 
 Composed, not stacked: ``link`` (``ReceiverLink``: sockets, handshake, groups,
 heartbeats) returns what arrived as values, ``peers`` (``PeerTable``) holds leases, and
@@ -36,22 +40,20 @@ import numpy as np
 import zmq
 
 from common.auth import INSECURE, PlaneAuth
+from common.kv import digest_value
 
 from . import handshake, tp
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
 from .frame_memory import keep_frame_memory
 from .incoming import Incoming, InLeg, InState
+from .integrity import leg_digest, pack_epochs, run_entry, xfer_record
 from .limits import ABORT_REASONS
 from .link import Inbound, LinkPoll
 from .messages import (
     Abort,
     AbortAck,
-    Accepted,
-    Ack,
-    Announce,
     Bye,
-    Done,
     Error,
     ErrorCode,
     Heartbeat,
@@ -59,13 +61,14 @@ from .messages import (
     KvChunk,
     KvWritten,
     ProtocolError,
+    Register,
     pages_to_bytes,
 )
 from .nixl import SLICE_S
 from .nixl_target import target_for
 from .peers import Peer, PeerTable
 from .pool_view import pool_view
-from .receiver_data import land_chunk
+from .receiver_data import Pending, check, land_chunk, written_digest
 from .receiver_link import DRAIN_BYTES, ReceiverLink
 
 logger = logging.getLogger(__name__)
@@ -112,7 +115,8 @@ class KvReceiver:
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "decode",
                                      shm_pool=shm_name, shm_pages=cache.num_pages,
                                      shm_token=cache.shared_memory_token(),
-                                     nixl_offer=self.nixl and self.nixl.offer())
+                                     nixl_offer=self.nixl and self.nixl.offer(),
+                                     device=str(cache.data().device))
         self.link = ReceiverLink(self._ctx, hello, config, self.peers, self.stats, self.nixl,
                                  auth)
 
@@ -139,7 +143,7 @@ class KvReceiver:
 
     def begin_connect(self, addresses: list[str] | str) -> int:
         """Start connecting to one prefill TP group; never waits (a worker's loop uses
-        this). Announce to the group at once: announcements wait here, holding no pin,
+        this). Announce to the group at once: registrations wait here, holding no pin,
         until every rank answered; if the handshake fails or passes
         ``handshake_timeout_s``, each ends FAILED (reason ``error``, detail says why).
 
@@ -154,7 +158,8 @@ class KvReceiver:
 
     def announce(self, rid: str, kv, prompt_len: int, cached_tokens: int = 0,
                  group: int = 0, cap: str = "") -> None:
-        """Ask ``group`` to stream positions ``[cached_tokens, prompt_len)`` into ``kv``.
+        """Register ``kv``'s pages with ``group``: stream positions ``[cached_tokens,
+        prompt_len)`` into them (the request's one control message).
 
         Args:
             kv: the preallocated row (``allocated_len >= prompt_len``); the worker keeps
@@ -169,23 +174,30 @@ class KvReceiver:
         """
         ps = self.cache.page_size
         if rid in self.transfers or rid in self._parked or cached_tokens % ps \
-                or not 0 <= cached_tokens <= prompt_len:
+                or not 0 <= cached_tokens < prompt_len:
             raise ValueError(f"announce {rid!r}: in flight or cached_tokens={cached_tokens} "
-                             f"not page-aligned within prompt_len={prompt_len}")
+                             f"not page-aligned below prompt_len={prompt_len}")
         if self.link.is_connecting(group):  # sent once the group joined (poll)
             self._parked[rid] = _Parked(group, kv, prompt_len, cached_tokens, cap)
             return
-        legs = {key: InLeg(key, heads) for key, heads in self.link.legs_for(group).items()}
+        legs = {key: self._leg(key, heads) for key, heads in self.link.legs_for(group).items()}
         dest = np.asarray(self.cache.pages(kv, 0, prompt_len), np.int64)
-        msg = Announce(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
-                       dest_pages=pages_to_bytes(dest), cap=cap)  # checks fields first
+        epochs = self.cache.page_epochs(kv, 0, prompt_len)
+        msg = Register(rid=rid, prompt_len=prompt_len, cached_tokens=cached_tokens,
+                       dest_pages=pages_to_bytes(dest), dest_epochs=pack_epochs(epochs),
+                       cap=cap)  # checks fields first
         todo = dest[cached_tokens // ps:]
         pin = self.cache.pin_pages(todo, reason="receive") if len(todo) else None
-        self.transfers[rid] = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest, pin,
-                                       legs)
+        self.transfers[rid] = Incoming(rid, kv, prompt_len, cached_tokens // ps, dest,
+                                       epochs, pin, legs)
         for key in legs:
             self.peers[key].rids.add(rid)
             self.link.send(key, msg)
+
+    def _leg(self, key: bytes, heads: tuple[int, int]) -> InLeg:
+        peer = self.peers[key]
+        return InLeg(key, heads, name=peer.name, digest=leg_digest(
+            self.link.paths.get(key, "?"), self.hello.kv_digest, peer.hello.kv_digest))
 
     def abort(self, rid: str, reason: str = "aborted", detail: str = "") -> bool:
         """Abort ``rid`` towards its prefill ranks; the destination pin stays until each
@@ -217,6 +229,7 @@ class KvReceiver:
             self._take(polled)
         self.link.advance()   # handshakes under way; what waited for them goes out
         self._announce_parked()
+        self._check_pending()
         now = time.monotonic()
         for inc in list(self.transfers.values()):
             self._check_deadlines(inc, now)
@@ -239,7 +252,6 @@ class KvReceiver:
                 self.link.send_error(item.peer.key, item.peer.name, ProtocolError(
                     ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid))
                 self._fail_rid(rid, "error", f"internal error: {exc}", by=item.peer)
-        self._judge_deferred_dones()
         polled.inbound.clear()  # frees the frames we landed before the next are read
         for peer, why, clean in polled.lost:
             self._lose(peer, why, clean)
@@ -276,7 +288,7 @@ class KvReceiver:
 
     # -- what the link found -------------------------------------------------------------
     def _announce_parked(self) -> None:
-        """Announce what waited for a group that has now joined; fail what waited for one
+        """Register what waited for a group that has now joined; fail what waited for one
         that did not."""
         for rid, p in list(self._parked.items()):
             if self.link.is_connecting(p.group):
@@ -291,7 +303,7 @@ class KvReceiver:
 
     def _on_message(self, item: Inbound) -> None:
         peer, msg = item.peer, item.msg
-        if isinstance(msg, (KvChunk, KvWritten, Accepted, Done, Abort)):
+        if isinstance(msg, (KvChunk, KvWritten, Abort)):
             inc = self._incoming(peer, msg.rid)
             if inc is not None:
                 self._on_request_msg(peer, inc, item)
@@ -331,74 +343,112 @@ class KvReceiver:
 
     def _on_request_msg(self, peer: Peer, inc: Incoming, item: Inbound) -> None:
         msg = item.msg
-        if isinstance(msg, KvChunk):
-            self._on_chunk(peer, inc, msg, item.data)
-        elif isinstance(msg, KvWritten):
-            self._on_written(peer, inc, msg, item.via)
-        elif isinstance(msg, Accepted):
-            inc.accept(peer.key)
-        elif isinstance(msg, Done):
-            self._on_done(peer.key, inc, msg)
-        elif isinstance(msg, Abort):
+        if isinstance(msg, Abort):
             self.stats["aborts_recv"] += 1
             inc.legs[peer.key].abort_acked = True
             self.link.send(peer.key, AbortAck(rid=inc.rid))
             self._abort_legs(inc, msg.reason, msg.detail)
             self._end(inc, EventKind.ABORTED, msg.reason or "aborted", msg.detail)
+            return
+        try:
+            self._on_data(peer, inc, msg, item)
+        except ProtocolError as exc:
+            if exc.code in (ErrorCode.STALE_PAGES, ErrorCode.CORRUPT):
+                self._refuse(inc, msg, exc)
+            raise
+        self._maybe_complete(inc)
 
-    def _on_written(self, peer: Peer, inc: Incoming, msg: KvWritten, via: str) -> None:
-        """Blocks a same-host prefill copied into our shared pool, or (``via="nixl"``) a
-        NIXL write's notification; either only from a peer of that data path."""
-        if via == "nixl":
-            counter = "nixl_writes_recv"
-        elif self.hello.shm_pool and peer.hello.shm_pool == self.hello.shm_pool:
-            counter = "shm_writes_recv"
+    def _on_data(self, peer: Peer, inc: Incoming, msg: KvChunk | KvWritten,
+                 item: Inbound) -> None:
+        """Check a data message against the request, the allocator and its digest; land a
+        frame only then (a one-sided write is in the pages already: it is checked)."""
+        if isinstance(msg, KvWritten):
+            self._check_one_sided(peer, msg, item.via)
+        leg = inc.leg_for_blocks(peer.key, msg)
+        lo, hi = msg.first_block, msg.first_block + msg.num_blocks
+        why = self.cache.check_held(inc.rid, inc.dest_pages[lo:hi], inc.dest_epochs[lo:hi])
+        if why is not None:   # fail closed: nothing of it is written
+            raise ProtocolError(ErrorCode.STALE_PAGES, f"blocks [{lo}, {hi}): {why}",
+                                inc.rid)
+        h = self.hello
+        heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
+        if isinstance(msg, KvChunk):
+            nbytes, runs, digest = land_chunk(self.pool, inc, leg, heads, msg, item.data)
+            self.stats["frames_recv"] += 1
+            self.stats["frames_recv_one_run"] += runs == 1
+            self.stats["bytes_recv"] += nbytes
         else:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, which "
-                                "did not map our pool", msg.rid)
-        inc.count_blocks(inc.leg_for_blocks(peer.key, msg), msg.num_blocks)
-        self.stats[counter] += 1
+            digest = written_digest(self.cache.data(), inc, heads, msg, leg.digest) \
+                if leg.digest else None
+            if isinstance(digest, tuple):   # a device fold: counted once it is read
+                entry = run_entry(lo, hi - lo, leg.heads, int(inc.dest_epochs[lo]), None,
+                                  msg.digest)
+                inc.pending.append(Pending(peer.key, msg, *digest, entry))
+                leg.runs.append(entry)
+                inc.count_blocks(leg, msg)
+                return
+            if digest is not None:
+                check(msg, digest, inc)
+            self._count_written(inc, msg, item.via)
+        leg.runs.append(run_entry(lo, hi - lo, leg.heads, int(inc.dest_epochs[lo]), digest,
+                                  msg.digest))
+        inc.count_blocks(leg, msg)
+
+    def _check_one_sided(self, peer: Peer, msg: KvWritten, via: str) -> None:
+        """A ``KvWritten`` only from a peer of a one-sided path: a same-host prefill that
+        mapped our shared pool, or (``via="nixl"``) a NIXL write's notification."""
+        if via == "nixl" or (self.hello.shm_pool
+                             and peer.hello.shm_pool == self.hello.shm_pool):
+            return
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"KvWritten from {peer.name}, which "
+                            "did not map our pool", msg.rid)
+
+    def _count_written(self, inc: Incoming, msg: KvWritten, via: str) -> None:
+        self.stats["nixl_writes_recv" if via == "nixl" else "shm_writes_recv"] += 1
         lay = self.cache.layout   # this rank's heads: the page bytes the write filled
         nbytes = (msg.num_blocks * lay.page_bytes(self.cache.page_size)
                   * (msg.head_end - msg.head_start) // lay.num_kv_heads)
         # NIXL bytes count as received (``bytes_recv``) like frames; shm copies apart
         self.stats["bytes_recv" if via == "nixl" else "bytes_recv_shm"] += nbytes
 
-    def _on_done(self, key: bytes, inc: Incoming, msg: Done) -> None:
-        leg, want = inc.legs[key], inc.total_blocks - inc.cached_blocks
-        if leg.blocks_received < want and self.nixl is not None and \
-                self.nixl.defer_done(key, inc.rid, msg):
-            return  # the leg's NIXL notifications are still on their way
-        first_token = inc.done(key, msg)
+    def _refuse(self, inc: Incoming, msg: KvChunk | KvWritten, exc: ProtocolError) -> None:
+        """Record a data message refused for its pages or its digest: counted, logged, and
+        kept for the free log's unpin of the request."""
+        kind = "corrupt" if exc.code == ErrorCode.CORRUPT else "stale"
+        self.stats[f"refused.{kind}"] += 1
+        logger.error("%s: %s: refused %s: %s", self.config.node, inc.rid,
+                     type(msg).__name__, exc.detail)
+        inc.refused.append({"kind": kind, "first_block": msg.first_block,
+                            "num_blocks": msg.num_blocks, "detail": exc.detail[:512]})
+
+    def _check_pending(self) -> None:
+        """Device digests of one-sided writes whose reduction finished: check them now."""
+        for inc in list(self.transfers.values()):
+            while inc.pending and inc.pending[0].ready:
+                p = inc.pending.pop(0)
+                if inc.state == InState.CLOSED:
+                    continue
+                digest = digest_value(p.value)
+                p.entry[5] = digest
+                try:
+                    check(p.msg, digest, inc)
+                except ProtocolError as exc:
+                    self._refuse(inc, p.msg, exc)
+                    peer = self.peers.live(p.peer)
+                    if peer is not None:
+                        self.link.send_error(p.peer, peer.name, exc)
+                    self._fail_rid(inc.rid, "error", str(exc))
+                    break
+                self._count_written(inc, p.msg, "nixl")
+            if inc.state != InState.CLOSED:
+                self._maybe_complete(inc)
+
+    def _maybe_complete(self, inc: Incoming) -> None:
+        """Commit once every leg's blocks landed with its last message."""
+        first_token = inc.complete()
         if first_token is not None:
-            for k in inc.legs:
-                self.link.send(k, Ack(rid=inc.rid))
             self._end(inc, EventKind.COMPLETED, "", "", first_token=first_token,
                       **self._received(inc))
-
-    def _judge_deferred_dones(self) -> None:
-        """Deferred Dones whose notifications came in (or that are overdue)."""
-        if self.nixl is None:
-            return
-        for key, msg in self.nixl.due_dones(self.transfers, self.config):
-            try:
-                self._on_done(key, self.transfers[msg.rid], msg)
-            except ProtocolError as exc:
-                peer = self.peers[key]
-                self.link.send_error(key, peer.name, exc)
-                self._fail_rid(exc.rid, "error", str(exc), by=peer)
-            finally:
-                self.nixl.judged(key, msg.rid)
-
-    def _on_chunk(self, peer: Peer, inc: Incoming, msg: KvChunk, data: list) -> None:
-        leg = inc.leg_for_blocks(peer.key, msg)
-        h = self.hello
-        heads = tp.local_slice(leg.heads, h.total_kv_heads, h.tp_size, h.tp_rank)
-        nbytes, runs = land_chunk(self.pool, inc, leg, heads, msg, data)
-        inc.count_blocks(leg, msg.num_blocks)
-        self.stats["frames_recv"] += 1
-        self.stats["frames_recv_one_run"] += runs == 1
-        self.stats["bytes_recv"] += nbytes
 
     def _received(self, inc: Incoming) -> dict:
         """What a completed transfer brought this rank (its COMPLETED event's figures):
@@ -452,9 +502,22 @@ class KvReceiver:
         if not inc.releasable:
             return
         if inc.pin_id is not None:
-            self.cache.unpin(inc.pin_id)
+            self.cache.unpin(inc.pin_id, self._record(inc))
         del self.transfers[inc.rid]
         self.peers.remember_closed(inc.rid, inc.legs)
+
+    def _record(self, inc: Incoming) -> dict | None:
+        """The receive pin's free-log record: per leg what landed, with the digest computed
+        here and the one the message claimed, and what was refused."""
+        if self.cache.free_log is None:
+            return None
+        legs = [xfer_record(inc.rid, "recv", leg.name, leg.runs,
+                            dest_pages=pages_to_bytes(inc.dest_pages))
+                for leg in inc.legs.values() if leg.runs]
+        if inc.refused:
+            legs.append(xfer_record(inc.rid, "recv", "", [], refused=inc.refused,
+                                    dest_pages=pages_to_bytes(inc.dest_pages)))
+        return {"xfer": legs} if legs else None
 
     def _lose(self, peer: Peer, why: str, clean: bool = False) -> None:
         """``peer`` is gone: its legs count as abort-acked, its open requests fail."""

@@ -319,6 +319,7 @@ class ReceiverLink:
                                type(msg).__name__, sock.address)
             return False
         self.stats["msgs_sent"] += 1
+        self.stats[f"sent.{type(msg).__name__}"] += 1   # per type: what a path costs
         return True
 
     def drop(self, key: bytes) -> None:

@@ -3,17 +3,19 @@
 A worker's loop::
 
     sender = KvSender(cache, "tcp://0.0.0.0:5600", TransportConfig(node="p0"))
-    for ev in sender.poll(0.01):          # Announce -> READY, Ack -> COMPLETED, ...
+    for ev in sender.poll(0.01):          # Register -> READY, drained -> COMPLETED, ...
         ...
     sender.send(rid, kv, upto)            # after each prefill chunk (any size)
-    sender.finish(rid, kv, first_token)   # whole prompt; sends the tail page and Done
-    cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="sent")  # safe at once: pinned
+    sender.finish(rid, kv, first_token)   # whole prompt; the last block carries the token
+    cache.free_kv_row(kv, [(0, kv.allocated_len)], reason="sent")  # on COMPLETED
 
-The sender pins source pages when ``send``/``finish`` hands them over and unpins each
-run once ZMQ released its zero-copy reference (``MessageTracker``) or the decode acked
-every byte, once its copy into a same-host decode's shared pool returned
-(``shm.ShmChannel``), or once the peer is gone; the worker alone frees rows (reason from
-the final ``Event``).
+The success path has one control message, the decode's ``Register``: data messages
+carry their epochs, digest and (the last of each leg) the first token, and the request is
+COMPLETED here when its own transfers report done - ZMQ released the last frame's
+zero-copy reference (``MessageTracker``), the copy into a same-host decode's shared pool
+returned (``shm.ShmChannel``), the NIXL writes are ``DONE``. Nobody sends Done or Ack.
+Source pages stay pinned until then (or until the peer is gone); the worker alone frees
+rows (reason from the final ``Event``).
 
 Composed, not stacked: ``link`` (``SenderLink``: socket, handshake, heartbeats, data
 channel per peer) returns what arrived as values, ``peers`` (``PeerTable``) holds leases,
@@ -33,31 +35,34 @@ from common.auth import INSECURE, PlaneAuth
 
 from . import handshake, tp
 from .capability import Capabilities
+from .channel import PostFailed
 from .config import TransportConfig
 from .events import Event, EventKind, EventLog
+from .integrity import leg_digest
 from .limits import ABORT_REASONS
 from .link import Inbound
 from .messages import (
     Abort,
     AbortAck,
-    Accepted,
-    Ack,
-    Announce,
     Bye,
     Error,
     ErrorCode,
     Heartbeat,
     Hello,
     ProtocolError,
+    Register,
 )
 from .nixl_channel import source_for
-from .outgoing import Outgoing, OutState, announced_leg
+from .outgoing import Outgoing, OutState, registered_leg
 from .peers import Peer, PeerTable
 from .pool_view import pool_view
 from .sender_link import SenderLink
 from .streamer import Streamer
 
 logger = logging.getLogger(__name__)
+BYE_SETTLE_S = 0.2
+"""How long a clean ``Bye`` lets our NIXL writes to that peer report done before its
+requests that are still draining fail (``peer_lost``)."""
 
 
 class KvSender:
@@ -86,7 +91,8 @@ class KvSender:
         self._ctx = ctx or zmq.Context()
         hello = handshake.make_hello(config, cache.layout, cache.page_size, "prefill",
                                      nixl_offer=self.nixl and {
-                                         "nixl_agent": self.nixl.agent.name})
+                                         "nixl_agent": self.nixl.agent.name},
+                                     device=str(cache.data().device))
         self.caps = Capabilities(config.require_capability, config.admission_timeout_s,
                                  self.stats)
         try:
@@ -126,9 +132,19 @@ class KvSender:
             self._release(out)
         return self.events.take()
 
+    def _complete(self, out: Outgoing) -> None:
+        """Every block went out and our own transfers report done: COMPLETED ("sent")."""
+        out.close()
+        self.events.emit(EventKind.COMPLETED, out.rid, reason="sent",
+                         first_token=out.first_token, prompt_len=out.prompt_len,
+                         cached_tokens=out.cached_blocks * self.hello.page_size,
+                         path="+".join(sorted({self.link.data_path(k) for k in out.legs})))
+
     def send(self, rid: str, kv, upto: int) -> bool:
         """Hand positions ``[0, upto)`` of ``kv``'s row to the transport (full pages only;
-        a partial last page waits for ``finish``). Pins them; sends once accepted.
+        a partial last page waits for ``finish``). Pins them; sends once every leg
+        registered (until then the pins hold them: a missing registration is the
+        backpressure, bounded by ``admission_timeout_s``).
 
         Returns:
             False (nothing pinned) when ``rid`` was aborted or failed; its final event is
@@ -143,15 +159,15 @@ class KvSender:
         return True
 
     def finish(self, rid: str, kv, first_token: int) -> bool:
-        """Hand over the whole prompt (``kv.allocated_len`` >= prompt length) and send
-        ``Done`` with ``first_token`` once every block is queued. Returns as ``send``."""
+        """Hand over the whole prompt (``kv.allocated_len`` >= prompt length); the message
+        of its last block carries ``first_token`` to every leg. Returns as ``send``."""
         self._pump(0)
         out = self._outgoing_for_send(rid, kv)
         if out is None:
             return False
         out.finished, out.first_token = True, int(first_token)
         if out.state == OutState.ASSEMBLING:
-            # the prompt length arrives with the Announce; hand over what the row holds
+            # the prompt length arrives with the Register; hand over what the row holds
             self.streamer.hand_over(out, -(-kv.allocated_len // self.cache.page_size))
         else:
             self.streamer.hand_over(out, out.total_blocks)
@@ -159,8 +175,8 @@ class KvSender:
         return True
 
     def expect(self, rid: str, cap: str) -> None:
-        """The router gave this rank ``rid`` with capability ``cap``: honour the announce
-        that carries it (also one that came already), refuse any other
+        """The router gave this rank ``rid`` with capability ``cap``: honour the
+        registration that carries it (also one that came already), refuse any other
         (``require_capability``; docs/security.md)."""
         ready, refused = self.caps.expect(rid, cap)
         for held, exc in refused:
@@ -169,7 +185,7 @@ class KvSender:
             if self.peers.live(held.peer.key) is None:
                 continue
             try:
-                self._on_announce(held.peer, held.msg)
+                self._on_register(held.peer, held.msg)
             except ProtocolError as exc:
                 self.link.send_error(held.peer.key, held.peer.name, exc)
 
@@ -182,7 +198,7 @@ class KvSender:
         if out is None or out.state.is_final:
             return False
         self._abort_legs(out, reason, detail)
-        out.close()
+        out.close(aborted=True)
         return True
 
     def sockets(self) -> list[zmq.Socket]:
@@ -240,16 +256,8 @@ class KvSender:
 
     def _on_message(self, item: Inbound) -> None:
         peer, msg = item.peer, item.msg
-        if isinstance(msg, Announce):
-            self._on_announce(peer, msg)
-        elif isinstance(msg, Ack):
-            out = self._leg_owner(peer, msg.rid)
-            if out is not None and out.ack(peer.key):
-                self.events.emit(EventKind.COMPLETED, out.rid, reason="sent",
-                                 first_token=out.first_token, prompt_len=out.prompt_len,
-                                 cached_tokens=out.cached_blocks * self.hello.page_size,
-                                 path="+".join(sorted({self.link.data_path(k)
-                                                       for k in out.legs})))
+        if isinstance(msg, Register):
+            self._on_register(peer, msg)
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         elif isinstance(msg, AbortAck):
@@ -262,19 +270,26 @@ class KvSender:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{type(msg).__name__} is not sent "
                                 "to a prefill endpoint", getattr(msg, "rid", None))
 
-    def _on_announce(self, peer: Peer, msg: Announce) -> None:
+    def _on_register(self, peer: Peer, msg: Register) -> None:
         if not self.caps.admit(peer, msg, time.monotonic()):
             return  # held until the worker learns rid's capability from the router
         out = self.transfers.get(msg.rid)
         if self.peers.recently_closed(msg.rid) or (out is not None and out.state.is_final):
             raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} is closing", msg.rid)
         if out is not None and peer.key in out.legs:
-            raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} announced twice",
+            raise ProtocolError(ErrorCode.DUPLICATE_RID, f"{msg.rid!r} registered twice",
                                 msg.rid)
         # pages we write into ourselves (shared memory, NIXL): each id inside that pool
+        path = self.link.data_path(peer.key)
         limit = peer.hello.shm_pages if peer.key in self.link.shm else \
-            peer.hello.nixl_pages if self.link.data_path(peer.key) == "nixl" else None
-        leg = announced_leg(self.hello, peer.key, peer.hello, msg, out, limit)
+            peer.hello.nixl_pages if path == "nixl" else None
+        try:
+            leg = registered_leg(self.hello, peer.key, peer.hello, msg, out, limit)
+        except ProtocolError as exc:
+            self.stats[f"refused.register.{exc.code.value}"] += 1
+            raise
+        leg.name = peer.name
+        leg.digest = leg_digest(path, self.hello.kv_digest, peer.hello.kv_digest)
         out = out or self.transfers.setdefault(msg.rid, Outgoing(msg.rid))
         h, ps = self.hello, self.hello.page_size
         expected = len(tp.peer_ranks(h.total_kv_heads, h.tp_size, h.tp_rank,
@@ -289,9 +304,7 @@ class KvSender:
             self._fail(out, "error", f"row holds {out.handed} pages, prompt needs "
                        f"{out.total_blocks}")
             return
-        out.accept()
-        for leg in out.legs.values():
-            self.link.send(leg.peer, Accepted(rid=out.rid))
+        out.accept()   # nothing goes back: the data messages are the answer
         self.events.emit(EventKind.READY, out.rid, prompt_len=out.prompt_len,
                          cached_tokens=out.cached_blocks * self.hello.page_size)
         if out.finished:
@@ -319,8 +332,8 @@ class KvSender:
             self._fail(out, "error", f"peer error {msg.code}: {msg.detail}")
 
     def _leg_owner(self, peer: Peer, rid: str) -> Outgoing | None:
-        """The request of an (Abort)Ack; None (counted as late) when rid is already gone,
-        as happens when an Ack crosses an Abort."""
+        """The request of an AbortAck; None (counted as late) when rid is already gone,
+        as happens when two Aborts cross."""
         out = self.transfers.get(rid)
         if out is None or peer.key not in out.legs:
             self.stats["late_msgs"] += 1
@@ -333,11 +346,19 @@ class KvSender:
         if peer.lost:
             return
         self.caps.drop_peer(peer.key)
+        if clean and self.nixl is not None:
+            # a decode that says Bye took every write it counted: let ours report so
+            # (bounded), so that requests it completed complete here too
+            self.nixl.finish(BYE_SETTLE_S)
         for rid in self.peers.mark_lost(peer, why, clean):
             out = self.transfers.get(rid)
             if out is None or peer.key not in out.legs:
                 continue
             out.legs[peer.key].abort_acked = True
+            if out.state == OutState.DRAINING:   # every block went out: complete if our
+                self.streamer.release(out, ())    # own transfers report done (not lost)
+                if out.drained:
+                    self._complete(out)
             if not out.state.is_final:
                 self._fail(out, "peer_lost", f"decode {peer.name} lost: {why}")
         self.link.drop_peer(peer.key)
@@ -351,7 +372,7 @@ class KvSender:
                                         Abort(rid=out.rid, reason=reason, detail=detail))
 
     def _end(self, out: Outgoing, kind: EventKind, reason: str, detail: str) -> None:
-        out.close()
+        out.close(aborted=True)
         self.events.emit(kind, out.rid, reason=reason, detail=detail)
 
     def _fail(self, out: Outgoing, reason: str, detail: str) -> None:
@@ -363,7 +384,7 @@ class KvSender:
         cfg, what = self.config, out.overdue(now, self.config)
         if what == "admission":
             self.stats["timeouts.admission"] += 1
-            self._fail(out, "timeout", f"not every decode rank announced within "
+            self._fail(out, "timeout", f"not every decode rank registered within "
                        f"{cfg.admission_timeout_s}s")
         elif what == "progress":
             self.stats["timeouts.progress"] += 1
@@ -386,14 +407,22 @@ class KvSender:
         return out
 
     def _flush(self, out: Outgoing) -> None:
-        gone = self.streamer.flush(out)
+        try:
+            gone = self.streamer.flush(out)
+        except PostFailed as exc:   # this request cannot be posted: it alone fails
+            self.stats["post_failed"] += 1
+            self._fail(out, "error", f"post failed: {exc}")
+            return
         peer = None if gone is None else self.peers.live(gone)
         if peer is not None:
             self._lose(peer, "unreachable while sending")
 
     def _release(self, out: Outgoing) -> None:
-        """Unpin what no live peer reads; drop a closed, unpinned transfer."""
+        """Unpin what no live peer reads; complete a drained transfer; drop a closed,
+        unpinned one."""
         self.streamer.release(out, {k for k in out.legs if self.peers.live(k) is None})
+        if out.drained:
+            self._complete(out)
         if out.removable:
             del self.transfers[out.rid]
             self.peers.remember_closed(out.rid, out.legs)

@@ -199,7 +199,7 @@ class SenderLink:
         if mapped is None:
             return None
         return shm.ShmChannel(self.router, self.pool, mapped, self._dst_heads(theirs),
-                              self.stats)
+                              self.stats, self.config.max_frame_bytes)
 
     # -- data path per peer ----------------------------------------------------------------
     def channel_for(self, key: bytes) -> DataChannel:
@@ -256,6 +256,7 @@ class SenderLink:
         if key in self.paths:   # handshaken; never one entry per stranger we answer
             self._last_sent[key] = time.monotonic()
         self.stats["msgs_sent"] += 1
+        self.stats[f"sent.{type(msg).__name__}"] += 1   # per type: what a path costs
         return True
 
     def close(self) -> None:

@@ -25,9 +25,9 @@ import socket
 from collections import Counter
 from functools import cache
 
-from common.kv import KvLayout, SegmentError, SharedTensor, copy_pages
+from common.kv import KvLayout, SegmentError, SharedTensor, copy_pages, digest_of_pages
 
-from .channel import BlockRun, Completion, DataChannel
+from .channel import BlockRun, DataChannel, Posted
 from .messages import Hello, KvWritten, encode
 from .pool_view import HostPoolView
 from .sockets import RouterSocket
@@ -83,25 +83,35 @@ class ShmChannel(DataChannel):
     name = "shm"
 
     def __init__(self, router: RouterSocket, pool: HostPoolView, mapped: SharedTensor,
-                 dst_heads: slice, stats: Counter):
+                 dst_heads: slice, stats: Counter, max_piece_bytes: int = 8 << 20):
         self.router, self.pool, self.stats = router, pool, stats
         self.mapped = mapped
         self.dest = HostPoolView(mapped.tensor)
         self.dst_heads = dst_heads
+        self.max_piece_bytes = max_piece_bytes
 
-    def send_blocks(self, run: BlockRun) -> list[Completion]:
-        """Copy now, then announce; the source pages are free to reuse on return."""
-        copy_pages(self.pool.shaped, run.src_pages, self.dest.shaped, run.dest_pages,
-                   src_heads=run.src_heads, dst_heads=self.dst_heads)
-        nbytes = len(run.src_pages) * self.pool.block_bytes(run.src_heads.stop
-                                                             - run.src_heads.start)
-        msg = KvWritten(rid=run.rid, first_block=run.first_block,
-                        num_blocks=len(run.src_pages), head_start=run.heads[0],
-                        head_end=run.heads[1])
-        self.router.send(run.peer, [encode(msg)])  # EHOSTUNREACH propagates to the caller
-        self.stats["shm_writes"] += 1
-        self.stats["bytes_sent"] += nbytes
-        return []
+    def send_blocks(self, run: BlockRun) -> Posted:
+        """Copy now, piece by piece (at most ``max_piece_bytes`` each, so that the decode
+        checks one piece while the next is copied), each followed by its ``KvWritten``;
+        the source pages are free to reuse on return."""
+        block = self.pool.block_bytes(run.src_heads.stop - run.src_heads.start)
+        step = max(1, self.max_piece_bytes // block)
+        posted, n = Posted(), len(run.src_pages)
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            src = run.src_pages[start:end]
+            copy_pages(self.pool.shaped, src, self.dest.shaped, run.dest_pages[start:end],
+                       src_heads=run.src_heads, dst_heads=self.dst_heads)
+            # the source run, just read by the copy: what the decode must find in its pages
+            digest = digest_of_pages(run.digest, self.pool.data, src, run.src_heads) \
+                if run.digest else None
+            msg = KvWritten(**run.piece(start, end), digest=digest)
+            self.router.send(run.peer, [encode(msg)])  # EHOSTUNREACH reaches the caller
+            posted.entries.append(run.entry(start, end, digest))
+            self.stats["shm_writes"] += 1
+            self.stats["sent.KvWritten"] += 1
+            self.stats["bytes_sent"] += (end - start) * block
+        return posted
 
     def close(self) -> None:
         """Drop the mapping (the decode owns and unlinks the segment)."""

@@ -1,5 +1,6 @@
 """``Streamer``: the prefill's send path - pin what the worker hands over, stream it to
-every leg through that leg's data channel, send ``Done``, unpin what nobody reads.
+every leg through that leg's data channel (the last message of each leg carries the first
+token: its completion), unpin what nobody reads with the free-log record of what went out.
 
 A member of ``KvSender``; it returns what went wrong (an unreachable peer) as a value.
 """
@@ -13,9 +14,9 @@ import zmq
 
 from . import tp
 from .channel import BlockRun
+from .integrity import xfer_record
 from .link import is_unreachable
-from .messages import Done
-from .outgoing import Leg, Outgoing, OutState
+from .outgoing import Leg, Outgoing, OutState, SendPin
 from .sender_link import SenderLink
 
 
@@ -43,7 +44,8 @@ class Streamer:
         out.hand_over(self.cache.pin_pages(pages, reason="send"), pages)
 
     def flush(self, out: Outgoing) -> bytes | None:
-        """Frame and queue every handed block not sent yet, then ``Done`` when complete.
+        """Frame and queue every handed block not sent yet; the prompt's last block (once
+        ``finish`` handed it) goes with the first token, and the request drains.
 
         Returns:
             the key of a peer found unreachable (nothing more was sent), else None.
@@ -51,18 +53,15 @@ class Streamer:
         if out.state != OutState.STREAMING:
             return None
         first, end = out.unsent()
+        final = out.finished and end >= out.total_blocks
         for leg in out.legs.values():
-            if first < end and (gone := self._send_blocks(out, leg, first, end)):
+            if first < end and (gone := self._send_blocks(out, leg, first, end, final)):
                 return gone
-        if out.mark_sent(end):
-            done = Done(rid=out.rid, num_blocks=out.total_blocks - out.cached_blocks,
-                        first_token=out.first_token)
-            for leg in out.legs.values():
-                self.link.send_after_writes(leg.peer, out.rid, done)
-            out.mark_done_sent()
+        out.mark_sent(end)
         return None
 
-    def _send_blocks(self, out: Outgoing, leg: Leg, first: int, end: int) -> bytes | None:
+    def _send_blocks(self, out: Outgoing, leg: Leg, first: int, end: int,
+                     final: bool) -> bytes | None:
         """Move blocks ``[first, end)`` to ``leg``, one channel call per pin, so that each
         completion is attached to the one pin whose pages it reads."""
         h = self.link.hello
@@ -73,21 +72,30 @@ class Streamer:
             if lo >= hi:
                 continue
             run = BlockRun(leg.peer, out.rid, lo, out.src_pages[lo:hi], leg.dest_pages[lo:hi],
-                           leg.heads, heads)
+                           leg.heads, heads, leg.dest_epochs[lo:hi], leg.digest,
+                           out.first_token if final and hi == end else None)
             try:
-                done = channel.send_blocks(run)
+                posted = channel.send_blocks(run)
             except zmq.ZMQError as exc:
                 if not is_unreachable(exc):
                     raise
                 return leg.peer
             self.link.sent_data(leg.peer)
-            pin.completions.extend((leg.peer, d) for d in done)
+            pin.completions.extend((leg.peer, d) for d in posted.completions)
+            pin.entries.setdefault(leg.peer, []).extend(posted.entries)
         return None
 
     def release(self, out: Outgoing, lost: Container[bytes]) -> None:
-        """Unpin the runs of ``out`` that no live peer can still read."""
-        for pin_id in out.releasable_pins(lost):
-            self.cache.unpin(pin_id)
+        """Unpin the runs of ``out`` that no live peer can still read; each unpin records
+        what its pages sent (the digests replay compares with the decode's)."""
+        for pin in out.releasable_pins(lost):
+            self.cache.unpin(pin.pin_id, self._record(out, pin))
+
+    def _record(self, out: Outgoing, pin: SendPin) -> dict | None:
+        if not pin.entries or self.cache.free_log is None:
+            return None
+        return {"xfer": [xfer_record(out.rid, "sent", out.legs[key].name, runs)
+                         for key, runs in pin.entries.items() if key in out.legs]}
 
     def unpin_all(self, out: Outgoing) -> None:
         """Closing: the socket goes away, so nothing reads the pages any more."""

@@ -7,9 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+from common.freelog.digests import cross_check
 from common.freelog.reader import UnreadableLog
 from common.freelog.replay import replay_file
-from common.freelog.report import ReplayReport, combined_exit
+from common.freelog.report import EXIT_CLEAN, EXIT_VIOLATIONS, ReplayReport, combined_exit
 
 
 def plot_logs(paths: list[str], out: str, request: str | None = None) -> None:
@@ -61,14 +62,33 @@ def main(args) -> int:
         reports.append(report)
         if not getattr(args, "json", False):
             print(report.format(getattr(args, "max_violations", 50)), flush=True)
-    status = combined_exit([r.exit_code for r in reports])
+    found, counts = cross_check([r.ledger for r in reports if r.ledger is not None])
+    status = combined_exit([r.exit_code for r in reports]
+                           + [EXIT_VIOLATIONS if found else EXIT_CLEAN])
+    if not getattr(args, "json", False) and (found or any(counts.values())):
+        print(format_cross(found, counts, getattr(args, "max_violations", 50)), flush=True)
     if getattr(args, "json", False):
         print(json.dumps({"ok": status == 0, "exit_code": status,
-                          "logs": [r.to_dict() for r in reports]}, indent=2))
+                          "logs": [r.to_dict() for r in reports],
+                          "digests": {**counts, "mismatches": [v.__dict__ for v in found]}},
+                         indent=2))
     if plot:
         plot_logs([r.path for r in reports if r.error is None], plot, request)
         print(f"plot written to {plot}", file=sys.stderr)
     return status
+
+
+def format_cross(found: list, counts: dict, max_shown: int = 50) -> str:
+    """The digest check across the logs given (a prefill's runs sent against a decode's
+    received)."""
+    head = (f"digests across logs: {counts['runs_matched']:,} runs matched, "
+            f"{counts['runs_received_unmatched']:,} received without their sender's log, "
+            f"{counts['runs_sent_unreceived']:,} sent and not received in these logs")
+    if not found:
+        return head + "\n  OK"
+    lines = [head, f"  digest mismatches: {len(found)}"]
+    lines += [f"    {v.format()}" for v in found[:max_shown]]
+    return "\n".join(lines + [f"  FAILED ({len(found)} digest mismatches)"])
 
 
 def _have_matplotlib() -> bool:

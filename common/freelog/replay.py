@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from common.freelog.digests import DigestLedger
 from common.freelog.progress import ProgressBar
 from common.freelog.reader import DECODE_ERRORS, FreeLogReader
 from common.freelog.replay_diagnose import Diagnosis
@@ -74,6 +75,7 @@ class Replayer(Diagnosis, RareEvents):
         self._progress = progress
         self._next_heavy = CHECK_EVERY
         self._checkpoint_offset = reader.offset()
+        self.ledger = DigestLedger(reader.header.node)
         self._handlers = {"alloc": self._alloc, "free": self._free, "pin": self._pin,
                           "unpin": self._unpin, "release": self._release,
                           "handoff": self._handoff}
@@ -227,6 +229,8 @@ class Replayer(Diagnosis, RareEvents):
     def _unpin(self, ps: PoolState, pages, ev: dict, seq: int) -> None:
         pin_id = ev["pin"]
         ps.counts["unpin"] += 1
+        if "xfer" in ev or "store" in ev or "load" in ev:  # what the pinned I/O moved
+            self.ledger.take(ev, ps.info.name, signed(pages), seq)
         entry = ps.live.pop(pin_id, None)
         if entry is None:
             return self._unknown_unpin(ps, pages, pin_id, seq)
@@ -358,6 +362,11 @@ class Replayer(Diagnosis, RareEvents):
                 f"no close event: the process did not shut down cleanly (killed?); "
                 f"{held} page(s) in use and {pins} live pin(s) at the end are not judged")
         report.pools = {name: ps.stats() for name, ps in self.pools.items()}
+        for v in self.ledger.findings:   # digests that disagree, messages refused
+            self._violate(v.seq, v.kind, v.pool, v.message, owner=v.owner, pages=v.pages,
+                          num_pages=v.num_pages, page=v.page)
+        report.digests = dict(self.ledger.counts)
+        report.ledger = self.ledger
 
 
 

@@ -60,6 +60,8 @@ class ReplayReport:
     lost_events: int = 0
     judged_after_gap: int = 0  # events after the first gap, judged from what they show
     unknown_pages_at_end: int = 0  # pages the log never showed again after its last gap
+    digests: dict[str, int] = field(default_factory=dict)  # runs sent/received, pages ...
+    ledger: Any = field(default=None, repr=False)  # the digests, for ``cross_check``
 
     @property
     def incomplete(self) -> bool:
@@ -93,7 +95,7 @@ class ReplayReport:
                 "incomplete": self.incomplete, "lost_events": self.lost_events,
                 "gaps": self.gaps, "judged_after_gap": self.judged_after_gap,
                 "unknown_pages_at_end": self.unknown_pages_at_end,
-                "seconds": round(self.seconds, 3)}
+                "digests": self.digests, "seconds": round(self.seconds, 3)}
 
     def format(self, max_violations: int = 50) -> str:
         """The human-readable summary that ``pdkv replay`` prints."""
@@ -109,6 +111,11 @@ def format_report(r: ReplayReport, max_violations: int) -> str:
              f"replayed in {r.seconds:.2f} s"]
     for name, st in r.pools.items():
         lines += _format_pool(name, st)
+    d = r.digests
+    if any(d.values()):
+        lines.append(f"  digests: runs sent {d['runs_sent']:,}, received "
+                     f"{d['runs_received']:,}, refused {d['runs_refused']:,}; host pages "
+                     f"stored {d['pages_stored']:,}, loaded {d['pages_loaded']:,}")
     for w in r.warnings:
         lines.append(f"  warning: {w}")
     if r.num_violations:

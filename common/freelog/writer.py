@@ -138,9 +138,12 @@ class FreeLogWriter:
                 lost_events=self._num_lost, failures=self._failures, closed=self._closed)
 
     # -- events -------------------------------------------------------------------------
-    def alloc(self, pool: str, pages: np.ndarray, owner: str) -> None:
-        self._append({"op": "alloc", "pool": pool, "pages": pages_to_bytes(pages),
-                      "owner": owner})
+    def alloc(self, pool: str, pages: np.ndarray, owner: str, epoch: int | None = None
+              ) -> None:
+        event = {"op": "alloc", "pool": pool, "pages": pages_to_bytes(pages), "owner": owner}
+        if epoch is not None:
+            event["epoch"] = int(epoch)
+        self._append(event)
 
     def free(self, pool: str, pages: np.ndarray, owner: str, reason: str,
              ranges: Iterable[tuple[int, int]] | None = None) -> None:
@@ -154,9 +157,17 @@ class FreeLogWriter:
         self._append({"op": "pin", "pool": pool, "pages": pages_to_bytes(pages),
                       "pin": pin_id, "reason": reason})
 
-    def unpin(self, pool: str, pages: np.ndarray, pin_id: int) -> None:
-        self._append({"op": "unpin", "pool": pool, "pages": pages_to_bytes(pages),
-                      "pin": pin_id})
+    def unpin(self, pool: str, pages: np.ndarray, pin_id: int,
+              record: Mapping | None = None) -> None:
+        """``record``: extra keys (``xfer``, ``digests``: what the pinned I/O moved and the
+        digests it computed, docs/freelog.md); they may not replace the event's own."""
+        event = {"op": "unpin", "pool": pool, "pages": pages_to_bytes(pages), "pin": pin_id}
+        if record:
+            clash = set(record) & {*event, "seq", "t_ns"}
+            if clash:
+                raise ValueError(f"unpin record may not set {sorted(clash)}")
+            event.update(record)
+        self._append(event)
 
     def release(self, pool: str, pages: np.ndarray) -> None:
         self._append({"op": "release", "pool": pool, "pages": pages_to_bytes(pages)})

@@ -42,7 +42,7 @@ import numpy as np
 
 from common.host.prefix_cache import HashChain, PrefixCache, prefix_len
 from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
-from common.kv import KvCache, KvRecord
+from common.kv import DigestMismatch, KvCache, KvRecord
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class Offloader:
         self._lock = threading.RLock()
         self.num_offloaded_pages = 0
         self.num_loaded_pages = 0
+        self.num_corrupt_pages = 0
+        """Host pages whose digest at a load differed from the one they were stored with."""
 
     # -- store: device -> host ----------------------------------------------------------
     def prepare_store(self, kv: KvRecord, chain: HashChain) -> StoreHandle | None:
@@ -180,7 +182,12 @@ class Offloader:
 
     def _finish_store(self, h: StoreHandle) -> None:
         self.cache.unpin(h.device_pin)
-        self.host.unpin(h.host_pin)
+        record = None
+        if h.job.error is None:   # what a later load must find in these pages
+            digests = self.host.digests(h.host_pages)
+            self.host.remember(h.host_pages, digests)
+            record = {"store": digests, "rid": h.owner}
+        self.host.unpin(h.host_pin, record)
         self._inflight.difference_update(h.keys)
         if h.job.error is None and (h.parent is None or h.parent in self.prefix):
             self.prefix.insert(h.keys, h.host_pages, h.parent)
@@ -244,9 +251,19 @@ class Offloader:
 
     def _finish_load(self, h: LoadHandle) -> None:
         self.cache.unpin(h.device_pin)
-        self.host.unpin(h.host_pin)
+        digests = self.host.digests(h.host_pages)   # the pages the copy read (still pinned)
+        bad = self.host.mismatched(h.host_pages, digests)
+        self.host.unpin(h.host_pin, {"load": digests, "rid": h.owner})
         self.prefix.unref(h.keys[-1])
         h.error = h.job.error
+        if bad:   # corrupted at rest: this load fails, nobody loads these pages again
+            self.num_corrupt_pages += len(bad)
+            self.prefix.poison(h.keys[bad[0]])
+            pages = [int(h.host_pages[i]) for i in bad]
+            logger.error("prefix load of %s: host pages %s changed since they were stored "
+                         "(digest mismatch); the request does its whole prompt", h.owner,
+                         pages)
+            h.error = h.error or DigestMismatch(f"host pages {pages} changed since stored")
         if h.error is None:
             self.num_loaded_pages += len(h.keys)
         self._done(h)

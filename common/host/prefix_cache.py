@@ -78,6 +78,7 @@ class _Entry:
     parent: bytes | None
     children: int = 0
     last_use: int = 0
+    poisoned: bool = False   # its page failed its digest at a load
 
 
 class PrefixCache:
@@ -105,10 +106,22 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def _usable(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and not entry.poisoned
+
+    def poison(self, key: bytes) -> None:
+        """``key``'s page failed its digest: no match reaches it or its descendants any
+        more; they stay (cached, so never stored again under these keys) until evicted."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.poisoned = True
+
     def num_cached(self, keys: Sequence[bytes]) -> int:
         """Length of the longest cached prefix of ``keys`` (no LRU update)."""
         with self._lock:
-            return prefix_len(keys, self._entries.__contains__)
+            return prefix_len(keys, self._usable)
 
     def match(self, keys: Sequence[bytes]) -> np.ndarray:
         """Host pages (int32) of the longest cached prefix of ``keys``; marks them used.
@@ -117,7 +130,7 @@ class PrefixCache:
         reading them, or they may be evicted meanwhile.
         """
         with self._lock:
-            n = prefix_len(keys, self._entries.__contains__)
+            n = prefix_len(keys, self._usable)
             self._clock += 1
             pages = np.empty(n, dtype=np.int32)
             for i, key in enumerate(keys[:n]):

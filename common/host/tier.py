@@ -27,7 +27,15 @@ import numpy as np
 import torch
 
 from common.freelog import FreeLogWriter
-from common.kv import CopyShare, KvLayout, PageAllocator, PoolStats, copy_pages, offering
+from common.kv import (
+    CopyShare,
+    KvLayout,
+    PageAllocator,
+    PoolStats,
+    copy_pages,
+    digest_of_pages,
+    offering,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +70,34 @@ class HostTier:
         self.pinned = device.type == "cuda" and torch.cuda.is_available()
         self._log = None if log_path is None else FreeLogWriter(log_path, node=node, pools={
             HOST_POOL: {"num_pages": num_pages, "page_size": page_size, "reserved": [0]}})
-        self._pool = PageAllocator(HOST_POOL, num_pages, (0,), self._log)
+        self._pool = PageAllocator(HOST_POOL, num_pages, (0,), self._log,
+                                   time.time_ns() // 1000)
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
         self.data = torch.zeros((num_pages, *self.layout.page_shape(page_size)),
                                 dtype=self.layout.torch_dtype, pin_memory=self.pinned)
         self._pin_ids = 1
         self._lock = threading.Lock()
         self._closed = False
+        # the digest each page was stored with (docs/host_tier.md, "Integrity")
+        self._stored = np.zeros(num_pages, dtype=np.uint64)
+        self._has_stored = np.zeros(num_pages, dtype=bool)
+
+    # -- integrity ----------------------------------------------------------------------
+    def digests(self, pages: np.ndarray) -> list[int]:
+        """xxh3 of each page's bytes now (host memory: ``common.kv.digest``)."""
+        return [digest_of_pages("xxh3_64", self.data, np.array([p])) for p in pages]
+
+    def remember(self, pages: np.ndarray, digests: list[int]) -> None:
+        """The digests ``pages`` were stored with (checked again when they are loaded)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        self._stored[pages] = np.asarray(digests, dtype=np.uint64)
+        self._has_stored[pages] = True
+
+    def mismatched(self, pages: np.ndarray, digests: list[int]) -> list[int]:
+        """Positions of ``pages`` whose ``digests`` differ from what they were stored with."""
+        pages = np.asarray(pages, dtype=np.int64)
+        now = np.asarray(digests, dtype=np.uint64)
+        return np.flatnonzero(self._has_stored[pages] & (self._stored[pages] != now)).tolist()
 
     @property
     def num_free(self) -> int:
@@ -107,9 +136,11 @@ class HostTier:
             self._pool.pin(pages, pin_id, reason)
             return pin_id
 
-    def unpin(self, pin_id: int) -> None:
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
+        """End a pin; ``record``: extra keys of the ``unpin`` event (the digests a store
+        computed or a load checked, docs/freelog.md)."""
         with self._lock:
-            self._pool.unpin(pin_id)
+            self._pool.unpin(pin_id, record)
 
     def pool_stats(self) -> PoolStats:
         """The host pool's pages by state and owner kind and its event counters."""

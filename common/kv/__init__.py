@@ -13,6 +13,12 @@ from common.lazy import lazy_names
 # the modules that import torch: read on first use (common/lazy.py)
 __getattr__ = lazy_names(__name__, {
     "KvCache": "common.kv.cache",
+    "DigestMismatch": "common.kv.digest", "RunDigest": "common.kv.digest",
+    "digest_of_bytes": "common.kv.digest:of_bytes",
+    "digest_of_pages": "common.kv.digest:of_pages",
+    "digest_value": "common.kv.digest:value",
+    "negotiate_digest": "common.kv.digest:negotiate",
+    "preferred_digest": "common.kv.digest:preferred",
     "check_pages": "common.kv.page_copy", "copy_pages": "common.kv.page_copy",
     "page_runs": "common.kv.page_copy",
     "SegmentError": "common.kv.shared_tensor", "SharedTensor": "common.kv.shared_tensor",
@@ -21,5 +27,7 @@ __getattr__ = lazy_names(__name__, {
 __all__ = ["DTYPE_BYTES", "PAGE_STATES", "CopyShare", "FreeReason", "KvCache", "KvLayout",
            "KvRecord", "OutOfPages", "PageAllocator", "PoolStats", "RangeError",
            "SegmentError", "SharedTensor", "ceil_align", "ceil_div", "check_pages",
-           "copy_pages", "copy_threads", "dtype_of", "offering", "page_runs",
+           "copy_pages", "copy_threads", "DigestMismatch", "RunDigest",
+           "digest_of_bytes", "digest_of_pages", "digest_value", "negotiate_digest",
+           "preferred_digest", "dtype_of", "offering", "page_runs",
            "set_copy_threads", "valid_segment_name"]

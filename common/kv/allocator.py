@@ -11,6 +11,14 @@ Page states, derived from two arrays:
 
 Every operation is vectorised over page-id arrays, counted in ``counters`` and, when a
 free log is attached, recorded as one event in the same call (metrics agree with the log).
+
+Epochs: every ``allocate`` call gets the next number of a counter that only rises (it
+starts at ``epoch_base``, the pool's creation time in microseconds, so a restarted process
+does not hand out the epochs of its previous life) and stamps it on the pages it hands
+out; the free log's ``alloc`` event records it. A page id that travels (a transfer's
+destination pages) travels with its epoch, and ``check_held`` refuses one whose page is
+now another allocation's (stale), another owner's (foreign) or no page at all (out of
+range).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ class PageAllocator:
     """
 
     def __init__(self, name: str, num_pages: int, reserved: tuple[int, ...] = (0,),
-                 log: FreeLogWriter | None = None):
+                 log: FreeLogWriter | None = None, epoch_base: int = 1):
         self.name = name
         self.num_pages = num_pages
         self.reserved = tuple(sorted(reserved))
@@ -40,6 +48,8 @@ class PageAllocator:
         self._owner_of = np.full(num_pages, FREE, dtype=np.int32)
         self._owner_of[list(self.reserved)] = RESERVED
         self._pin_count = np.zeros(num_pages, dtype=np.int32)
+        self._epoch_of = np.zeros(num_pages, dtype=np.uint64)  # 0: never allocated
+        self._next_epoch = max(1, int(epoch_base))
         usable = np.setdiff1d(np.arange(num_pages, dtype=np.int32), self.reserved)
         # Stack top is the end; reversed so that a fresh pool hands out ascending ids.
         self._stack = usable[::-1].copy()
@@ -71,6 +81,27 @@ class PageAllocator:
     def not_owned(self, pages: np.ndarray, owner: str) -> np.ndarray:
         """Positions in ``pages`` whose page ``owner`` does not hold."""
         return np.flatnonzero(self._owner_of[pages] != self.owner_id(owner))
+
+    def epochs(self, pages: np.ndarray) -> np.ndarray:
+        """The epoch of the allocation that handed out each page (uint64)."""
+        return self._epoch_of[pages]
+
+    def check_held(self, pages: np.ndarray, owner: str, epochs: np.ndarray
+                   ) -> tuple[str, int] | None:
+        """Why ``pages`` (with the epochs they travelled with) are not all ``owner``'s now:
+        ``("out-of-range", i)``, ``("foreign", i)`` or ``("stale", i)`` for the first bad
+        position ``i``; None when every page is the owner's, from that allocation."""
+        pages = np.asarray(pages, dtype=np.int64)
+        bad = np.flatnonzero((pages < 0) | (pages >= self.num_pages))
+        if len(bad):
+            return "out-of-range", int(bad[0])
+        bad = np.flatnonzero(self._owner_of[pages] != self.owner_id(owner))
+        if len(bad):
+            return "foreign", int(bad[0])
+        bad = np.flatnonzero(self._epoch_of[pages] != np.asarray(epochs, dtype=np.uint64))
+        if len(bad):
+            return "stale", int(bad[0])
+        return None
 
     def owner_name(self, page: int) -> str:
         oid = int(self._owner_of[page])
@@ -106,9 +137,11 @@ class PageAllocator:
         self._top -= n
         pages = self._stack[self._top:self._top + n][::-1].copy()
         self._owner_of[pages] = self.owner_id(owner)
+        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        self._epoch_of[pages] = epoch
         self.counters.record("alloc", n)
         if self._log is not None:
-            self._log.alloc(self.name, pages, owner)
+            self._log.alloc(self.name, pages, owner, epoch)
         return pages
 
     def take(self, pages: np.ndarray, owner: str) -> np.ndarray:
@@ -188,13 +221,14 @@ class PageAllocator:
         if self._log is not None:
             self._log.pin(self.name, pages, pin_id, reason)
 
-    def unpin(self, pin_id: int) -> None:
-        """End a pin; pages freed meanwhile whose last pin this was go back to the free list."""
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
+        """End a pin; pages freed meanwhile whose last pin this was go back to the free list.
+        ``record``: extra keys of the ``unpin`` event (what the I/O moved: digests)."""
         pages = self._pins.pop(pin_id)
         np.subtract.at(self._pin_count, pages, 1)
         self.counters.record("unpin", len(pages))
         if self._log is not None:
-            self._log.unpin(self.name, pages, pin_id)
+            self._log.unpin(self.name, pages, pin_id, record)
         released = np.unique(pages[(self._pin_count[pages] == 0)
                                    & (self._owner_of[pages] == FREE)])
         if len(released):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -61,7 +62,9 @@ class KvCache:
         self._log = None if log_path is None else FreeLogWriter(log_path, node=node, pools={
             name: {"num_pages": n, "page_size": page_size, "reserved": [0]}
             for name, n in sizes.items()})
-        self._pools = {name: PageAllocator(name, n, (0,), self._log) for name, n in sizes.items()}
+        epoch_base = time.time_ns() // 1000  # a restarted process never reuses old epochs
+        self._pools = {name: PageAllocator(name, n, (0,), self._log, epoch_base)
+                       for name, n in sizes.items()}
         self._shared = {name: self._shared_tensor(n) for name, n in sizes.items()
                         } if shared_memory else {}
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
@@ -202,6 +205,31 @@ class KvCache:
             self._check_span(kv, start, end)
             first, last = start // self.page_size, ceil_div(end, self.page_size)
             return self._row_pages[pool][kv.row][first:last].copy()
+
+    def page_epochs(self, kv: KvRecord, start: int, end: int, pool: str = "full"
+                    ) -> np.ndarray:
+        """The allocation epoch (uint64) of each page ``pages(kv, start, end)`` returns."""
+        with self._lock:
+            return self._pool(pool).epochs(self.pages(kv, start, end, pool))
+
+    def check_held(self, owner: str, pages: np.ndarray, epochs: np.ndarray,
+                   pool: str = "full") -> str | None:
+        """Why ``pages`` with ``epochs`` are not ``owner``'s current allocation ("out-of-range
+        page 99", "stale page 7 (epoch ...)", "foreign page 3 (held by r2)"), or None
+        when they are: what a landing transfer is checked against before it writes."""
+        with self._lock:
+            allocator = self._pool(pool)
+            why = allocator.check_held(pages, owner, epochs)
+            if why is None:
+                return None
+            kind, i = why
+            page = int(np.asarray(pages)[i])
+            if kind == "out-of-range":
+                return f"out-of-range page {page} (pool {pool!r} has {allocator.num_pages})"
+            if kind == "foreign":
+                return f"foreign page {page} (held by {allocator.owner_name(page)})"
+            return (f"stale page {page} (epoch {int(np.asarray(epochs)[i])}, now "
+                    f"{int(allocator.epochs(np.array([page]))[0])})")
 
     def slots(self, kv: KvRecord, start: int, end: int, pool: str = "full") -> torch.Tensor:
         """Slot ids (int64, CPU) of positions ``[start, end)``: ``page * page_size + offset``."""
@@ -349,14 +377,16 @@ class KvCache:
         with self._lock:
             return self._pin([(self._pool(pool), np.asarray(pages, dtype=np.int32))], reason)
 
-    def unpin(self, pin_id: int) -> None:
-        """End pin ``pin_id``; pages freed meanwhile return to the free list at their last pin."""
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
+        """End pin ``pin_id``; pages freed meanwhile return to the free list at their last pin.
+        ``record``: extra keys of the first pool's ``unpin`` event (digests of what the
+        I/O moved, docs/freelog.md)."""
         with self._lock:
             pools = self._pin_pools.pop(pin_id, None)
             if pools is None:
                 raise ValueError(f"unpin({pin_id}): no such pin (already unpinned?)")
-            for pool in pools:
-                pool.unpin(pin_id)
+            for i, pool in enumerate(pools):
+                pool.unpin(pin_id, record if i == 0 else None)
 
     def _pin(self, per_pool: list[tuple[PageAllocator, np.ndarray]], reason: str) -> int:
         per_pool = [(pool, pages) for pool, pages in per_pool if len(pages)]

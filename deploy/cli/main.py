@@ -90,7 +90,12 @@ def _add_replay(sub) -> None:
                     "seq gaps and pages still held at close. Each LOG is one process's "
                     "pools and is verified on its own; a folder stands for every *.freelog "
                     "in it (each restart of a process writes a new file: decode0.freelog, "
-                    "decode0.1.freelog, ...). Format: docs/freelog.md.",
+                    "decode0.1.freelog, ...). It also checks the KV digests the logs "
+                    "recorded: within a log (what landed against what its message "
+                    "claimed, host pages loaded against how they were stored, refused "
+                    "pages) and across the logs given (every digest a decode received "
+                    "against the one its prefill sent), naming the request and pages. "
+                    "Format: docs/freelog.md.",
         epilog="exit status: 0 every log clean, 1 a violation in some log, 2 a log "
                "unreadable (missing, not msgpack, wrong header or version), 3 a log "
                "incomplete (its writer lost events, e.g. on a full disk: it is never "

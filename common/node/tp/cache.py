@@ -124,9 +124,9 @@ class LeaderKvCache(KvCache):
                       pool=pool, ranges=[pin_id])
             return pin_id
 
-    def unpin(self, pin_id: int) -> None:
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
         with self._jlock:
-            super().unpin(pin_id)
+            super().unpin(pin_id, record)   # the record (digests) is this rank's log's
             self._rec("unpin", n=pin_id)
 
     def close(self, retained: Sequence[str] = ()) -> None:
@@ -149,8 +149,8 @@ class RankPins:
     def pin_pages(self, pages: np.ndarray, *, reason: str, pool: str = "full") -> int:
         return KvCache.pin_pages(self._cache, pages, reason=reason, pool=pool)
 
-    def unpin(self, pin_id: int) -> None:
-        KvCache.unpin(self._cache, pin_id)
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
+        KvCache.unpin(self._cache, pin_id, record)
 
     def pin(self, kv: KvRecord, start: int, end: int, *, reason: str) -> int:
         return KvCache.pin(self._cache, kv, start, end, reason=reason)

@@ -71,9 +71,9 @@ class LeaderHostTier(HostTier):
                       n=pin_id)
             return pin_id
 
-    def unpin(self, pin_id: int) -> None:
+    def unpin(self, pin_id: int, record: dict | None = None) -> None:
         with self._jlock:
-            super().unpin(pin_id)
+            super().unpin(pin_id, record)   # the record (digests) is this rank's log's
             self._rec("h_unpin", n=pin_id)
 
     def close(self, retained=(CACHE_OWNER,)) -> None:
