@@ -18,7 +18,7 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``MetricsReport`` | worker -> router | every ``heartbeat_s`` and as it closes: its metrics |
 | ``Submit`` | client -> router | a new request |
 | ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
-| ``Tokens`` | worker -> router -> client | tokens as they are generated |
+| ``Tokens`` | worker -> router -> client | tokens as they come (the router's first: admitted) |
 | ``Done`` | worker -> router -> client | a request ended (router adds prefill figures) |
 | ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
@@ -142,8 +142,9 @@ class Tokens:
     """Decode -> router only: wall clock when the decode held all KV and the first
     token (the router measures the exposed transfer with it)."""
     prompt_tokens: int = 0
-    """Router -> client, on a request's first tokens: its prompt's length as served (a
-    text as encoded), for usage figures while the output streams."""
+    """Router -> client: the router's first ``Tokens`` of a request has no ids and says
+    that its door let the request in; it carries the prompt's length as served (a text as
+    encoded), for usage figures while the output streams."""
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ Clients and workers connect DEALER sockets to the router's one ROUTER socket
 2. picks a decode (least reserved tokens per pool token) and a prefill (fewest prompt
    tokens assigned and not yet prefilled), or one colocated worker;
 3. sends ``req`` to both; the decode preallocates and announces to the prefill itself;
-4. relays ``tokens`` to the client as they come, with their text when the model has a
-   tokenizer (``deploy.router.text_route``: the only detokenizer and stop-string cutter;
-   a stop string tells the decode to finish, ``stop``), and ``done`` once the decode
+4. tells the client it let the request in (a ``tokens`` with no ids, the prompt's
+   length in ``prompt_tokens``), then relays ``tokens`` to the client as they come, with
+   their text when the model has a tokenizer (``deploy.router.text_route``: the only
+   detokenizer and stop-string cutter; a stop string tells the decode to finish,
+   ``stop``), and ``done`` once the decode
    finished and the prefill reported its transfer (or a short grace period passed);
 5. forwards client aborts to both workers; an unknown rid is an error to the client;
 6. fails requests of a worker silent past the lease, and requests past their deadline.
@@ -332,9 +334,8 @@ class Router:
         if not ids:
             return
         self.metrics.tokens(route.rid, len(ids))
-        first = msg.first and len(ids) == len(msg.ids)
-        msg = dataclasses.replace(msg, rid=route.label, ids=ids, t_kv_wall=0.0, first=first,
-                                  prompt_tokens=route.prompt_len if first else 0)
+        msg = dataclasses.replace(msg, rid=route.label, ids=ids, t_kv_wall=0.0,
+                                  first=msg.first and len(ids) == len(msg.ids))
         if route.text is not None:
             msg = self._text_tokens(route, msg)
         if msg.ids:
@@ -462,6 +463,9 @@ class Router:
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
         route.cap = secrets.token_hex(16)  # KV only to these two workers (docs/security.md)
         self.routes.add(route)
+        # admitted: the client hears it now (the HTTP edge answers 200 on it), with the
+        # prompt's length as served
+        self.hub.send(route.client, Tokens(route.label, [], prompt_tokens=route.prompt_len))
         self.metrics.submitted(route.rid, route.t_submit)
         eager = admits_at_once(decode, route.row_len, self.config)
         decode.assigned += route.row_len
