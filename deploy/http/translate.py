@@ -77,7 +77,8 @@ def plan(body: object, chat: bool, served_name: str, router_model: str) -> Plan:
     """
     if not isinstance(body, dict):
         raise ApiError(400, NOT_JSON, param="body")
-    body = {k: v for k, v in body.items() if not _unset(v)}
+    body = {k: v for k, v in body.items()   # null, {} and [] are "not given"
+            if v is not None and v != {} and v != []}
     stream, include_usage, continuous = _stream(body)
     body.pop("user", None)
     prompt, text, messages = _prompt(body, chat)
@@ -95,10 +96,6 @@ def plan(body: object, chat: bool, served_name: str, router_model: str) -> Plan:
     params = {name: _wire(value) for name, value in body.items()}
     return Plan(prompt, text, messages, stop, params, stream, include_usage, continuous,
                 max_field, chat)
-
-
-def _unset(value) -> bool:
-    return value is None or (isinstance(value, (dict, list)) and not value)
 
 
 def _stream(body: dict) -> tuple[bool, bool, bool]:
@@ -132,8 +129,11 @@ def _prompt(body: dict, chat: bool) -> tuple[bytes, str, list[dict[str, str]]]:
     if isinstance(prompt, str):
         return b"", prompt, []
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        # an id past int32 travels as -1, which the door refuses as outside the vocabulary
-        return pack_ids([t if _INT32[0] <= t < _INT32[1] else -1 for t in prompt]), "", []
+        try:
+            return pack_ids(prompt), "", []
+        except ValueError:   # an id past int32 travels as -1: the door refuses it as
+            return pack_ids([t if _INT32[0] <= t < _INT32[1] else -1   # outside the
+                             for t in prompt]), "", []                  # vocabulary
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list holding "
                         "one of them", param="prompt")
 

@@ -29,7 +29,7 @@ from common.model import Tokenizer
 from common.request import BadRequest, SamplingParams, validate
 from deploy.router import params as vocabulary
 from deploy.router.errors import ContextLengthExceeded, ModelNotFound, Unavailable
-from deploy.router.placement import WorkerInfo, max_prompt, max_tokens
+from deploy.router.placement import WorkerInfo, capacity
 from deploy.router.text_route import TextRoute, encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class Ask:
     sampling: dict
     """``SamplingParams`` fields as the client sent them."""
     options: vocabulary.Options
+    chars: int = 0
+    """Characters of text to encode (0: token ids)."""
 
     @property
     def is_text(self) -> bool:
@@ -80,12 +82,13 @@ class Door:
     def __init__(self, config: ServeConfig) -> None:
         self.config, self.mcfg = config, config.model_config()
         self.tokenizer = self._load_tokenizer()
+        self.max_text = 0 if self.tokenizer is None else \
+            self.mcfg.max_position * self.tokenizer.max_token_chars
+        """Characters a text that fits the context has at most."""
 
     def _load_tokenizer(self) -> Tokenizer | None:
         try:
-            tok = Tokenizer.for_model(self.mcfg)
-            tok.max_token_chars  # noqa: B018  (reads the vocabulary once, here)
-            return tok
+            return Tokenizer.for_model(self.mcfg)
         except (OSError, ValueError) as exc:
             logger.warning("router: model %s has no tokenizer (%s); serving token ids only",
                            self.mcfg.name, exc)
@@ -98,11 +101,13 @@ class Door:
         if options.model and options.model != self.mcfg.name:
             raise ModelNotFound(f"the model {options.model!r} does not exist; this "
                                 f"deployment serves {self.mcfg.name!r}", param="model")
-        ask = Ask(msg, sampling, options)
-        self._check_prompt_kind(ask)
-        self._check_stop(msg.stop)
         if msg.messages:
             _check_messages(msg.messages)
+        ask = Ask(msg, sampling, options, len(msg.text) + (
+            sum(len(m.get("content", "")) for m in msg.messages) if msg.messages else 0))
+        self._check_prompt_kind(ask)
+        if msg.stop:
+            self._check_stop(msg.stop)
         self._check_size(ask)
         return ask
 
@@ -125,7 +130,7 @@ class Door:
                              param="stop")
         if any(not isinstance(s, str) or not s for s in stop):
             raise BadRequest("stop strings must be non-empty strings", param="stop")
-        if stop and self.tokenizer is None:
+        if self.tokenizer is None:
             raise BadRequest(f"stop strings need a tokenizer: {self.no_text()}; use "
                              "stop_token_ids", param="stop")
 
@@ -137,17 +142,16 @@ class Door:
             raise ContextLengthExceeded(f"prompt of {len(msg.prompt) // 4} tokens exceeds "
                                         f"the model's context of {limit} positions",
                                         param="prompt")
-        chars = _chars(msg)
-        if self.tokenizer is not None and chars > limit * self.tokenizer.max_token_chars:
+        if ask.chars > self.max_text and self.tokenizer is not None:
             raise ContextLengthExceeded(
-                f"text of {chars} characters exceeds the model's context of {limit} "
+                f"text of {ask.chars} characters exceeds the model's context of {limit} "
                 f"positions (one token covers at most {self.tokenizer.max_token_chars} "
                 "characters)", param=ask.prompt_param)
 
     # -- the prompt as ids -----------------------------------------------------------------
     def off_loop(self, ask: Ask) -> bool:
         """Its text is long: encode it on a thread, not in the router's loop."""
-        return _chars(ask.msg) > LOOP_TEXT_CHARS
+        return ask.chars > LOOP_TEXT_CHARS
 
     def encode(self, ask: Ask) -> list[int]:
         """The prompt's token ids (a thread runs this for a long text).
@@ -167,7 +171,7 @@ class Door:
         """Raises ``BadRequest`` (or a subclass) naming what to change; a request that is
         bad in itself is told so even while no worker is ready (``Unavailable`` then)."""
         try:
-            max_row, max_prompt = self._rows(list(workers))
+            max_row, max_prompt = self._rows(workers)
         except Unavailable:
             self._params(ask, prompt, self.mcfg.max_position)
             raise
@@ -178,7 +182,7 @@ class Door:
                 param=ask.prompt_param)
         params = self._params(ask, prompt, max_row)
         text = None if self.tokenizer is None else TextRoute(
-            self.tokenizer, prompt, ask.msg.stop, params.stop_ids,
+            self.tokenizer, prompt, ask.msg.stop, params.stop_token_ids,
             skip_special_tokens=ask.options.skip_special_tokens,
             include_stop=ask.options.include_stop_str_in_output)
         return Admitted(prompt, params, text, ask.options)
@@ -196,13 +200,13 @@ class Door:
                         max_new_tokens_limit=self.config.max_new_tokens_limit,
                         max_position=self.mcfg.max_position)
 
-    def _rows(self, workers: list[WorkerInfo]) -> tuple[int, int]:
+    def _rows(self, workers: Iterable[WorkerInfo]) -> tuple[int, int]:
         """(longest row: prompt + output, longest prompt) some ready worker holds now.
 
         Raises:
-            Unavailable: no worker is ready to serve (``deploy.router.placement``)."""
-        longest = self.mcfg.max_position
-        return min(longest, max_tokens(workers)), min(longest - 1, max_prompt(workers))
+            Unavailable: no worker is ready to serve (``placement.capacity``)."""
+        row, prompt = capacity(workers)
+        return min(self.mcfg.max_position, row), min(self.mcfg.max_position - 1, prompt)
 
     def _stop_policy(self, sampling: dict, options: vocabulary.Options) -> SamplingParams:
         """Every id that ends the output travels to the workers: the request's
@@ -222,10 +226,6 @@ class Door:
                              param="stop_token_ids") from None
         return replace(params, stop_token=single, stop_token_ids=ids)
 
-
-def _chars(msg: Submit) -> int:
-    """Characters of text the request asks the router to encode."""
-    return len(msg.text) + sum(len(m.get("content", "")) for m in msg.messages)
 
 
 def _check_messages(messages: list) -> None:

@@ -52,22 +52,30 @@ def max_tokens(workers: Iterable[WorkerInfo]) -> int:
     return max(w.pool_tokens for w in decodes)
 
 
-def max_prompt(workers: Iterable[WorkerInfo]) -> int:
-    """Longest prompt some ready worker takes: a colocated row less one (for the first
-    output token), or a decode row less one that also fits a ready prefill's row.
+def capacity(workers: Iterable[WorkerInfo]) -> tuple[int, int]:
+    """(longest row: prompt + output, longest prompt) some ready worker holds: a prompt
+    fits a colocated row less one (for the first output token), or a decode row less one
+    that also fits a ready prefill's row.
 
     Raises:
         Unavailable: no ready decode or colocated worker, or decodes but no prefill.
     """
     workers = list(workers)
-    max_tokens(workers)                                   # some decode is ready
-    prefill = max((w.pool_tokens for w in live(workers, "prefill")), default=0)
-    rows = [w.pool_tokens - 1 if w.role == "colocated" else min(w.pool_tokens - 1, prefill)
-            for w in live(workers, "decode", "colocated")]
-    if max(rows) <= 0:
+    row = prompt = prefill = 0
+    for w in workers:
+        if w.role == "prefill" and w.ready and not w.lost and not w.paused:
+            prefill = max(prefill, w.pool_tokens)
+    for w in workers:
+        if w.role in ("decode", "colocated") and w.ready and not w.lost and not w.paused:
+            row = max(row, w.pool_tokens)
+            prompt = max(prompt, w.pool_tokens - 1 if w.role == "colocated" else
+                         min(w.pool_tokens - 1, prefill))
+    if not row:
+        raise Unavailable("no decode or colocated worker is ready" + _paused(workers))
+    if prompt <= 0:
         raise Unavailable("no ready prefill worker" + _paused(
             [w for w in workers if w.role == "prefill"]))
-    return max(rows)
+    return row, prompt
 
 
 def _paused(workers: list[WorkerInfo]) -> str:
