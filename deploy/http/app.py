@@ -49,7 +49,7 @@ class FrontDoor:
         self.model_name = model_name
         self.live: set[Generation] = set()
         self.closing = ""
-        self._max_len: tuple[int, int] | None = None
+        self._config: tuple[int, tuple[str, int]] | None = None
         self.t_created = int(time.time())
 
     # -- the router's side -----------------------------------------------------------------
@@ -64,17 +64,23 @@ class FrontDoor:
         return view
 
     def served_model(self, view: RouterView) -> str:
-        return self.model_name or ServeConfig.from_dict(view.config).model_name
+        """The name clients call the model (``--served-model-name``, else the router's)."""
+        return self.model_name or self._derived(view)[0]
 
     def max_model_len(self, view: RouterView) -> int:
         """What ``/v1/models`` reports: the longest row of the config's decode pools, or
         the model's context if shorter (the router's door enforces the live limits)."""
+        return self._derived(view)[1]
+
+    def _derived(self, view: RouterView) -> tuple[str, int]:
+        """(the router's name of the model, max_model_len), built when the config changes
+        (a checkpoint's config.json is read), not at every status answer."""
         key = id(view.config)
-        if self._max_len is None or self._max_len[0] != key:
+        if self._config is None or self._config[0] != key:
             cfg = ServeConfig.from_dict(view.config)
-            self._max_len = (key, min(cfg.pool_tokens("decode"),
-                                      cfg.model_config().max_position))
-        return self._max_len[1]
+            self._config = (key, (cfg.model_name, min(cfg.pool_tokens("decode"),
+                                                      cfg.model_config().max_position)))
+        return self._config[1]
 
     def check_key(self, request: Request) -> None:
         if not self.api_key:
@@ -110,8 +116,7 @@ class FrontDoor:
         t_in = trace.now_ns()
         self.check_key(request)
         view = self.view()
-        gen = self.admit(plan(body, chat, self.served_model(view),
-                              str(view.config.get("model", ""))))
+        gen = self.admit(plan(body, chat, self.served_model(view), self._derived(view)[0]))
         trace.mark("http.request_in", gen.rid, t_in)
         trace.mark("http.submit_out", gen.rid)
         try:   # the router's first word: tokens, or its refusal (raised as the HTTP error)

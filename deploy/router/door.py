@@ -98,9 +98,10 @@ class Door:
     def read(self, msg: Submit) -> Ask:
         """Raises ``BadRequest`` (or a subclass) naming what to change."""
         sampling, options = vocabulary.read(msg.params)
-        if options.model and options.model != self.mcfg.name:
+        if options.model and options.model != self.config.model_name:
             raise ModelNotFound(f"the model {options.model!r} does not exist; this "
-                                f"deployment serves {self.mcfg.name!r}", param="model")
+                                f"deployment serves {self.config.model_name!r}",
+                                param="model")
         if msg.messages:
             _check_messages(msg.messages)
         ask = Ask(msg, sampling, options, len(msg.text) + (
@@ -121,8 +122,8 @@ class Door:
             raise BadRequest(self.no_text(), param=ask.prompt_param)
 
     def no_text(self) -> str:
-        return (f"model {self.mcfg.name!r} has no tokenizer and serves token ids only: "
-                "send the prompt as a list of token ids")
+        return (f"model {self.config.model_name!r} has no tokenizer and serves token ids "
+                "only: send the prompt as a list of token ids")
 
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > MAX_STOP_STRINGS:
