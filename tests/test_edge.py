@@ -7,8 +7,9 @@ client) and, on the same router's socket, by ``pdkv run``'s client
   the request's, an end-of-sequence id, and a stop string cut at the router all end the
   request with its decode's row freed ``finished`` (the free log, replayed after a
   clean shutdown, says so request by request); a client that leaves is ``aborted``.
-- The same bad request gets the same limit and the same message through HTTP and
-  straight through the router, its code mapped to the status at the HTTP edge alone.
+- The same bad request gets the same limit and the same message through HTTP (``pdkv
+  serve``, and ``pdkv frontend`` in front of the same router) and straight through the
+  router, its code mapped to the status at the HTTP edge alone.
 - The fields vLLM's and sglang's clients send are accepted at their neutral values.
 """
 
@@ -29,7 +30,14 @@ from deploy.http.errors import STATUS
 from deploy.router.client import Client
 from deploy.router.params import SAMPLING
 from deploy.router.routes import label_of
-from tests.http_helpers import CFG, GREEDY, assert_logs_clean, sse_events, start_serve
+from tests.http_helpers import (
+    CFG,
+    GREEDY,
+    assert_logs_clean,
+    sse_events,
+    start_frontend,
+    start_serve,
+)
 from tests.model_helpers import prompt
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,20 +51,29 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory):
-    """(url, a ``Client`` of the same router on its socket) of ``pdkv serve --auth-keys``;
-    at the end it stops cleanly and its free logs replay clean."""
+def deployment(tmp_path_factory):
+    """(url of ``pdkv serve --auth-keys``, url of a ``pdkv frontend`` in front of the same
+    router over its socket, a ``Client`` of that router); at the end both stop cleanly
+    and the free logs replay clean."""
     tmp = tmp_path_factory.mktemp("edge")
     create_keys(tmp / "keys")
     proc, url = start_serve(tmp, "--auth-keys", str(tmp / "keys"))
-    router = re.search(r"router in this process at (\S+)$", proc.ready_line)
-    client = Client(router.group(1), "test", Keys(tmp / "keys"), identity="client")
+    router = re.search(r"router in this process at (\S+)$", proc.ready_line).group(1)
+    client = Client(router, "test", Keys(tmp / "keys"), identity="client")
+    fe, fe_url = start_frontend(router, tmp / "frontend.log", "--auth-keys", str(tmp / "keys"))
     try:
-        yield url, client
+        yield url, fe_url, client
     finally:
         client.close()
+        assert fe.stop() == 0
         assert proc.stop() == 0, (tmp / "serve.log").read_text()[-3000:]
         assert_logs_clean(tmp)
+
+
+@pytest.fixture(scope="module")
+def serve(deployment):
+    """(url of ``pdkv serve``, a ``Client`` of its router)."""
+    return deployment[0], deployment[2]
 
 
 # -- an ordinary stop is freed 'finished' ---------------------------------------------------
@@ -158,20 +175,23 @@ def _http_body(ids: list[int], params: dict, kw: dict) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_the_same_bad_request_gets_the_same_answer_through_http_and_the_router(serve,
+def test_the_same_bad_request_gets_the_same_answer_through_http_and_the_router(deployment,
                                                                               name):
-    url, client = serve
+    """Through the router's socket (``pdkv run``'s client), through ``pdkv serve`` (the
+    router in its loop) and through ``pdkv frontend`` (over the router's socket)."""
+    url, fe_url, client = deployment
     ids, params, kw = BAD[name]
     client.submit(f"bad-{name}", ids, params, **kw)
     answer = next(m for m in _poll(client) if getattr(m, "rid", "") == f"bad-{name}")
     assert isinstance(answer, Error), answer
     path, body = _http_body(ids, params, kw)
-    r = httpx.post(url + path, json=body, timeout=60)
-    err = r.json()["error"]
-    assert r.status_code == STATUS[answer.code] >= 400, (answer, err)
-    assert err["message"] == answer.error
-    want_param = "max_tokens" if answer.param == "max_new_tokens" else answer.param
-    assert err["param"] == want_param and answer.param, (answer, err)
+    for front in (url, fe_url):
+        r = httpx.post(front + path, json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == STATUS[answer.code] >= 400, (front, answer, err)
+        assert err["message"] == answer.error, front
+        want_param = "max_tokens" if answer.param == "max_new_tokens" else answer.param
+        assert err["param"] == want_param and answer.param, (front, answer, err)
 
 
 def _poll(client: Client):
