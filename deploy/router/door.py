@@ -81,6 +81,8 @@ class Door:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config, self.mcfg = config, config.model_config()
+        self.model_name = config.model_name
+        """The served model's name (a checkpoint's directory's): what ``model`` may say."""
         self.tokenizer = self._load_tokenizer()
         self.max_text = 0 if self.tokenizer is None else \
             self.mcfg.max_position * self.tokenizer.max_token_chars
@@ -98,10 +100,9 @@ class Door:
     def read(self, msg: Submit) -> Ask:
         """Raises ``BadRequest`` (or a subclass) naming what to change."""
         sampling, options = vocabulary.read(msg.params)
-        if options.model and options.model != self.config.model_name:
+        if options.model and options.model != self.model_name:
             raise ModelNotFound(f"the model {options.model!r} does not exist; this "
-                                f"deployment serves {self.config.model_name!r}",
-                                param="model")
+                                f"deployment serves {self.model_name!r}", param="model")
         if msg.messages:
             _check_messages(msg.messages)
         ask = Ask(msg, sampling, options, len(msg.text) + (
@@ -122,7 +123,7 @@ class Door:
             raise BadRequest(self.no_text(), param=ask.prompt_param)
 
     def no_text(self) -> str:
-        return (f"model {self.config.model_name!r} has no tokenizer and serves token ids "
+        return (f"model {self.model_name!r} has no tokenizer and serves token ids "
                 "only: send the prompt as a list of token ids")
 
     def _check_stop(self, stop: list[str]) -> None:
