@@ -3,11 +3,12 @@
 ``pdkv serve`` (1P1D, the tiny model at float64, the router in the front door's loop)
 runs as a child of this script with a profile hook (``sys.setprofile`` in every thread)
 that records, while a window is open, each project function called (file and qualified
-name) and each control message the process encodes or decodes (its type and request
-id). The parent opens a window (SIGUSR1), sends one non-streamed ``/v1/completions``
-request, and closes it (SIGUSR2) once the answer came; then it opens a window of the
-same length with no request (the router's timed work, status polls...). It does this
-``--runs`` times per prompt kind (token ids, text) after a warm-up.
+name; the tree's own files, not installed libraries) and each control message the
+process encodes or decodes (its type and request id). The parent opens a window
+(SIGUSR1), sends one non-streamed ``/v1/completions`` request, and closes it (SIGUSR2)
+once the answer came; then it opens a window of the same length with no request (the
+router's timed work, status polls...). It does this ``--runs`` times (default 7) per
+prompt kind (token ids, text) after a warm-up.
 
 Reported per prompt kind:
 
@@ -17,9 +18,11 @@ Reported per prompt kind:
   process, by message type, plus the HTTP request and its response. The KV plane
   between prefill and decode is not in this process and not counted.
 
-The same script measures any checkout: ``--tree DIR`` runs the child against that tree's
-code (its ``PYTHONPATH``), so ``--tree /path/to/main --tree .`` gives before and after in
-one run. A measurement, not a goal: the exit status is 0 unless a deployment failed.
+It counts and times nothing, so a busy machine changes nothing (the counts came out the
+same on every run). The same script measures any checkout: ``--tree DIR`` runs the child
+against that tree's code (its ``PYTHONPATH``), so ``--tree /path/to/main --tree .`` gives
+before and after in one run. A measurement, not a goal: the exit status is 0 unless a
+deployment failed.
 
     python benchmarks/edge_stops.py --tree /work/main --tree . --json
 """
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", action="append", type=Path,
                    help="a checkout to measure (repeat for several; default: this one)")
-    p.add_argument("--runs", type=int, default=5, help="requests per prompt kind (default 5)")
+    p.add_argument("--runs", type=int, default=7, help="requests per prompt kind (default 7)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list", action="store_true", help="print every stop too")
     args = p.parse_args(argv)
