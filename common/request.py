@@ -81,7 +81,17 @@ def check_transition(old: ReqState, new: ReqState) -> None:
 
 
 class BadRequest(ValueError):
-    """A request the service refuses; the message says what to change."""
+    """A request the service refuses; the message says what to change.
+
+    ``code`` names the kind of refusal (the router's ``Error.code``; subclasses in
+    ``deploy.router.errors`` carry others, and the HTTP edge maps each to a status);
+    ``param`` names the request parameter at fault, when one is."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -114,10 +124,11 @@ class SamplingParams:
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise BadRequest(f"unknown sampling parameters {unknown}; allowed: "
-                             f"{sorted(allowed)}")
+                             f"{sorted(allowed)}", param=unknown[0])
         ids = d.get("stop_token_ids", ())
         if not isinstance(ids, (list, tuple)):
-            raise BadRequest(f"stop_token_ids={ids!r} must be a list of token ids")
+            raise BadRequest(f"stop_token_ids={ids!r} must be a list of token ids",
+                             param="stop_token_ids")
         try:
             return cls(**{**d, "stop_token_ids": tuple(ids)})
         except TypeError as exc:
@@ -143,8 +154,8 @@ class SamplingParams:
         return d
 
 
-MAX_TEMPERATURE = 100.0
-"""Hotter than this is uniform noise in practice; refused."""
+MAX_TEMPERATURE = 2.0
+"""The OpenAI API's range (0 to 2); hotter is close to uniform noise. Refused above."""
 GREEDY_BELOW = 1e-5
 """A temperature below this samples like greedy decoding (and divides logits by almost
 zero), so it is served as greedy, as other serving systems do."""
@@ -165,38 +176,43 @@ def validate(prompt: Sequence[int] | np.ndarray, params: SamplingParams, *, voca
         max_position: the model's context; prompt + max_new_tokens must fit in it.
     """
     if not len(prompt):
-        raise BadRequest("empty prompt: send at least one token id")
+        raise BadRequest("empty prompt: send at least one token id", param="prompt")
     n = params.max_new_tokens
     if not _is_int(n) or not 1 <= n <= max_new_tokens_limit:
         raise BadRequest(f"max_new_tokens={n!r}; allowed: integers in "
-                         f"[1, {max_new_tokens_limit}]")
+                         f"[1, {max_new_tokens_limit}]", param="max_new_tokens")
     if max_position is not None and len(prompt) + n > max_position:
         raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
-                         f"model's context of {max_position} positions")
+                         f"model's context of {max_position} positions", param="max_new_tokens")
     if len(prompt) + n > max_tokens:
         raise BadRequest(f"prompt of {len(prompt)} tokens + max_new_tokens={n} exceeds the "
-                         f"largest pool row ({max_tokens} tokens)")
+                         f"largest pool row ({max_tokens} tokens)", param="max_new_tokens")
     ids = np.asarray(prompt)
     if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+        raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size})",
+                         param="prompt")
     t = params.temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or \
             not 0 <= t <= MAX_TEMPERATURE:
         raise BadRequest(f"temperature={t!r}; allowed: 0 (greedy) or a number in "
-                         f"(0, {MAX_TEMPERATURE:g}]")
+                         f"(0, {MAX_TEMPERATURE:g}]", param="temperature")
     if not _is_int(params.stop_token) or not -1 <= params.stop_token < vocab_size:
         raise BadRequest(f"stop_token={params.stop_token!r}; allowed: -1 (none) or "
-                         f"[0, {vocab_size})")
+                         f"[0, {vocab_size})", param="stop_token")
     if any(not _is_int(t) or not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})")
+        raise BadRequest(f"stop_token_ids must be integers in [0, {vocab_size})",
+                         param="stop_token_ids")
     if params.seed is not None and not (_is_int(params.seed) and 0 <= params.seed < 1 << 63):
-        raise BadRequest(f"seed={params.seed!r}; allowed: none, or integers in [0, 2**63)")
+        raise BadRequest(f"seed={params.seed!r}; allowed: none, or integers in [0, 2**63)",
+                         param="seed")
     if not _is_int(params.top_k) or params.top_k < -1:
-        raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1")
+        raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1",
+                         param="top_k")
     p = params.top_p
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or \
             not 0 < p <= 1:
-        raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)")
+        raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)",
+                         param="top_p")
     return dataclasses.replace(params, temperature=0.0) if t < GREEDY_BELOW else params
 
 
@@ -231,6 +247,8 @@ class Request:
     """Prompt tokens loaded from this worker's host tier (prefix reuse), neither computed
     nor received; reported to the client as usage's ``cached_tokens``."""
     t_arrival: float = field(default_factory=time.monotonic)
+    stopped: bool = False
+    """The router ended the output (a stop string it cut): done, as ``stop``."""
 
     # -- where the prompt comes from (decode) and goes to (prefill) ---------------------
     prefill: str = ""
@@ -300,11 +318,13 @@ class Request:
 
     @property
     def is_done(self) -> bool:
-        """Generated ``max_new_tokens`` or emitted a stop token."""
-        return len(self.output) >= self.params.max_new_tokens or (
+        """Generated ``max_new_tokens``, emitted a stop token, or stopped by the router."""
+        return self.stopped or len(self.output) >= self.params.max_new_tokens or (
             bool(self.output) and self.params.is_stop(self.output[-1]))
 
     @property
     def finish_reason(self) -> str:
-        """``stop`` when the last token is a stop token, else ``length``."""
-        return "stop" if self.output and self.params.is_stop(self.output[-1]) else "length"
+        """``stop`` when the last token is a stop token or the router stopped it (a stop
+        string), else ``length``."""
+        return "stop" if self.stopped or (
+            self.output and self.params.is_stop(self.output[-1])) else "length"

@@ -167,6 +167,15 @@ class DecodeScheduler:
         logger.info("%s: %s finished (%s, %d tokens)", self.name, req.rid, reason,
                     len(req.output))
 
+    def stop(self, req: Request) -> None:
+        """The router cut the output at a stop string: a decoding request finishes now
+        (``stop``, its row freed ``finished``); one whose prompt's KV is still on the way
+        (or that is retracted) finishes as soon as it would decode (``start_decoding``,
+        ``resume``), so its prefill ends its part as always."""
+        req.stopped = True
+        if req.state == ReqState.DECODING:
+            self._finish(req)
+
     def end(self, req: Request, reason: str, detail: str = "") -> None:
         """Abort (``aborted``) or failure (any other reason) at any stage."""
         logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
@@ -191,7 +200,9 @@ class DecodeScheduler:
         reqs, failed = self.retraction.resume(self.runner, self.cfg.prefix_load_timeout_s)
         for req in reqs:
             self._move(req, ReqState.DECODING)
-            self.batch.add(req)
+            if not self.batch.add(req):   # stopped by the router while retracted
+                self._finish(req)
+                continue
             logger.info("%s: %s resumed", self.name, req.rid)
         for rid, why in failed.items():
             self.end(self.admission.admitted[rid], "error", f"{self.who} could not reload "

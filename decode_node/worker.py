@@ -89,6 +89,11 @@ class DecodeWorker(WorkerBase):
         if req is not None:
             self.scheduler.end(req, "aborted")
 
+    def on_stop(self, rid: str) -> None:
+        req = self.scheduler.find(rid)
+        if req is not None:
+            self.scheduler.stop(req)
+
     # -- work ----------------------------------------------------------------------------
     def tick(self) -> bool:
         for ev in self.receiver.poll(0):

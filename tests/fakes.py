@@ -82,3 +82,42 @@ def settle(router, timeout_s: float = 30.0) -> None:
         assert time.monotonic() < deadline, f"{len(router.encoder)} texts still encoding"
         router.encoder.wait(0.05)
         router._tick_encoded(time.monotonic())
+
+
+class RouterPort:
+    """The HTTP front door's port (``deploy.http.ports.Port``) to an in-process ``Router``
+    over a ``FakeHub``: a send is a dispatch (through the codec), and what the router
+    answers this client is delivered at once; a test plays the workers with
+    ``worker_says`` (their messages, then the client's share of the answers)."""
+
+    address = "fake://router"
+
+    def __init__(self, router, peer: bytes = b"http-client") -> None:
+        self.router, self.peer = router, peer
+        self.sent: list[Message] = []
+        self._deliver = None
+
+    def attach(self, loop, deliver) -> None:
+        self._deliver = deliver
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+        self.router.dispatch(self.peer, _wire(msg))
+        self.flush()
+
+    def worker_says(self, worker: bytes, *msgs: Message) -> None:
+        for msg in msgs:
+            self.router.dispatch(worker, _wire(msg))
+        self.flush()
+
+    def flush(self) -> None:
+        settle(self.router)
+        if self._deliver is not None:
+            for msg in self.router.hub.take(self.peer):
+                self._deliver(msg)
+
+    def detach(self) -> None:
+        self._deliver = None
+
+    def close(self) -> None:
+        pass

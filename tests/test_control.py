@@ -132,7 +132,7 @@ def test_a_bad_submit_is_an_error_naming_the_problem(router, peer):
     peer.send(Submit("r1", pack_ids([1, 2]), {"top_q": 1}))
     answer = _exchange(router, peer)
     assert isinstance(answer, Error) and answer.rid == "r1"
-    assert "unknown sampling parameters" in answer.error
+    assert "unrecognized request argument: top_q" in answer.error and answer.param == "top_q"
     peer.send(Submit("r2", b"\x01\x02\x03", {}))   # not a whole number of int32s
     answer = _exchange(router, peer)
     assert isinstance(answer, Error) and "int32" in answer.error

@@ -194,3 +194,50 @@ def test_a_failing_step_fails_the_batchs_requests_and_the_worker_serves_on(model
     d.run()
     assert d.outputs()["b"] == generate_greedy(model, [prompt(9, seed=7)], 6)[0]
     assert sorted(f["reason"] for f in d.close_and_frees()) == ["error", "finished"]
+
+
+@pytest.mark.parametrize("stage", ["waiting_kv", "decoding"])
+def test_a_stop_from_the_router_finishes_the_request_and_frees_it_finished(model, tmp_path,
+                                                                          stage):
+    """A stop string cut at the router: a decoding request finishes at once; one whose
+    prompt's KV is still arriving finishes as it would start decoding (the transfer is
+    not cut, so its prefill ends as always). Either way ``stop`` and ``finished``."""
+    d = Decode(model, tmp_path)
+    req = d.submit("a", prompt(10, seed=3), 20)
+    d.admit()
+    if stage == "decoding":
+        d.arrive(req)
+        d.sched.step()
+    d.sched.stop(req)
+    if stage == "waiting_kv":
+        assert req.state == ReqState.WAITING_KV and not d.done()   # the KV still lands
+        d.arrive(req)
+    assert req.state == ReqState.FINISHED and d.done()["a"].reason == "stop"
+    assert d.sched.find("a") is None and not len(d.sched.batch) and not d.stopped
+    assert d.sched.counts["finished"] == 1 and d.sched.counts["aborted"] == 0
+    assert [(f["owner"], f["reason"]) for f in d.close_and_frees()] == [("a", "finished")]
+
+
+def test_a_stop_while_retracted_finishes_as_the_request_resumes(model, tmp_path):
+    """Under pressure the younger request is retracted to the host tier; stopped there, it
+    finishes (``stop``, ``finished``) when it resumes instead of decoding on."""
+    cfg = CFG.with_overrides(decode_pages=13, overcommit=True)
+    d = Decode(model, tmp_path, cfg)
+    old, young = d.submit("old", prompt(16, seed=8), 30), d.submit("young", prompt(16, seed=9),
+                                                                   30)
+    d.admit()
+    d.arrive(old)
+    d.arrive(young)
+    while young.state != ReqState.RETRACTED:
+        assert d.sched.step(), "no retraction happened"
+        d.sched.reap()
+    d.sched.stop(young)
+    assert young.state == ReqState.RETRACTED and "young" not in d.done()
+    while d.sched.find("young") is not None or d.sched.find("old") is not None:
+        d.sched.reap()
+        d.sched.resume()
+        d.sched.step()
+    assert d.done()["young"].reason == "stop" and d.done()["old"].reason == "length"
+    reasons = sorted((f["owner"], f["reason"]) for f in d.close_and_frees())
+    assert ("young", "finished") in reasons and ("young", "aborted") not in reasons
+    assert reasons.count(("young", "offloaded")) == 1

@@ -72,12 +72,13 @@ def test_bad_requests_get_clear_errors_and_the_workers_keep_serving(tmp_path, re
     client = cluster.client
     bad = {
         "empty": ([], {}, "empty prompt"),
-        "long": ([1] * 700, {}, "exceeds the largest pool row"),
+        "long": ([1] * 700, {}, "is longer than any pool row"),
         "vocab": ([1, 99999], {}, "token ids"),
         "n": ([1, 2], {"max_new_tokens": -3}, "max_new_tokens"),
         "temp": ([1, 2], {"temperature": "hot"}, "temperature"),
-        "param": ([1, 2], {"beam": 4}, "unknown sampling parameters"),
-        "context": ([1] * 4090, {"max_new_tokens": 10}, "model's context of 4096"),
+        "param": ([1, 2], {"beam": 4}, "unrecognized request argument: beam"),
+        "row": ([1] * 300, {"max_new_tokens": 400}, "exceeds the largest pool row"),
+        "context": ([1] * 4090, {"max_new_tokens": 10}, "or the model's context allows"),
         "hot": ([1, 2], {"temperature": 1e12}, "temperature"),
         "x" * 600: ([1, 2], {}, "rid must be 1..256 printable characters"),
     }

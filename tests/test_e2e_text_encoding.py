@@ -84,12 +84,12 @@ def test_a_long_text_being_encoded_holds_up_no_other_request(tmp_path,
         assert isinstance(finals[rid], Done) and finals[rid].reason == "length", finals[rid]
         assert ids[rid] == want, rid
     # the long text was encoded (its token count is in the answer), and then refused as
-    # too long in tokens: its own error, nothing routed
+    # too long in tokens for any row: its own error, nothing routed
     long = finals["long"]
-    assert isinstance(long, Error) and long.code == "bad_request", long
+    assert isinstance(long, Error) and long.code == "context_length_exceeded", long
     n_tokens = len(tok.encode(LONG_TEXT))
-    assert f"prompt of {n_tokens} tokens + max_new_tokens=4 exceeds the model's context" \
-        in long.error, (n_tokens, long.error)
+    assert f"prompt of {n_tokens} tokens is longer than any pool row" in long.error, \
+        (n_tokens, long.error)
     dropped = finals["dropped"]
     assert isinstance(dropped, Done) and dropped.reason == "aborted", dropped
     assert "being encoded" in dropped.error

@@ -19,8 +19,7 @@ import openai
 import pytest
 
 from common.auth import create_keys
-from common.model import generate_greedy
-from deploy.http.text import load_text_model
+from common.model import Tokenizer, generate_greedy
 from deploy.loadgen.workload import WorkloadSpec, make_workload
 from tests.http_helpers import (
     CFG,
@@ -36,8 +35,8 @@ from tests.model_helpers import prompt
 
 pytestmark = pytest.mark.timeout(240)
 AUTH = {"authorization": f"Bearer {KEY}"}
-TEXT = load_text_model(CFG.to_dict())
-needs_text = pytest.mark.skipif(TEXT is None, reason="the model package has no tokenizer")
+TEXT = Tokenizer.for_model(CFG.model_config())
+needs_text = pytest.mark.skipif(TEXT is None, reason="the model has no tokenizer")
 ids_only = pytest.mark.skipif(TEXT is not None, reason="the served model has a tokenizer")
 
 
@@ -165,7 +164,7 @@ def test_stop_token_ids_end_the_output(http, model):
     ids = prompt(25, seed=8)
     full = greedy(model, ids, 12)
     absent = next(t for t in range(CFG.model_config().vocab_size) if t not in full)
-    # the first stop id travels to the decode; the others are the front door's to apply
+    # every stop id travels to the decode, which stops there by itself
     for stops in ([full[4]], [absent, full[3]]):
         want = full[:full.index(next(t for t in full if t in stops)) + 1]
         r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 12,
@@ -216,7 +215,8 @@ def test_request_ids_are_the_front_doors_own(http):
     ({"prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": 100000}, 400, "max_tokens"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
-    ({"prompt": [1, 2], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": [1, 2], "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": [1, 2], "temperature": 50}, 400, "temperature"),
     ({"prompt": [1, 2], "logprobs": 3}, 400, "logprobs"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),
     ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -1,6 +1,7 @@
 """The front door's view of the deployment across the router's status answers: what it
-derives from the config (limits, the tokenizer) is built once per config, not once per
-answer (one comes every ``status_interval_s``)."""
+derives from the config (``/v1/models``' max_model_len, which reads a checkpoint's
+config.json) is built once per config, not once per answer (one comes every
+``status_interval_s``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 
 from common.config import ServeConfig
 from common.control import CODEC, StatusReport
-from deploy.http import app as app_module
 from deploy.http.app import FrontDoor
 from deploy.http.bridge import RouterBridge
 
@@ -28,27 +28,29 @@ def door():
     bridge._port.close()
 
 
-def test_an_unchanged_config_keeps_its_tokenizer_and_limits(door, monkeypatch):
-    loads = []
-    real = app_module.load_text_model
-    monkeypatch.setattr(app_module, "load_text_model",
-                        lambda config: loads.append(config) or real(config))
+def test_an_unchanged_config_keeps_what_was_derived_from_it(door, monkeypatch):
+    reads = []
+    real = ServeConfig.model_config
+    monkeypatch.setattr(ServeConfig, "model_config",
+                        lambda self: reads.append(self) or real(self))
     config = ServeConfig().to_dict()
     door.bridge._dispatch(_status(config))
     first = door.view()
-    text, limits = door.text(first), door.limits(first)
+    max_len, n_reads = door.max_model_len(first), len(reads)
+    assert n_reads
     for _ in range(3):                                   # three more status answers
         door.bridge._dispatch(_status(config))
     later = door.view()
     assert later is not first and later.config is first.config
-    assert door.text(later) is text and door.limits(later) is limits
-    assert len(loads) == 1
+    assert door.max_model_len(later) == max_len and len(reads) == n_reads
 
 
 def test_a_changed_config_is_taken_up(door):
     door.bridge._dispatch(_status(ServeConfig().to_dict()))
     before = door.view()
-    door.bridge._dispatch(_status(ServeConfig(max_new_tokens_limit=64).to_dict()))
+    small = ServeConfig(decode_pages=64, page_size=4)
+    door.bridge._dispatch(_status(small.to_dict()))
     after = door.view()
-    assert after.config is not before.config and after.config["max_new_tokens_limit"] == 64
-    assert door.limits(after).max_new_tokens == 64 != door.limits(before).max_new_tokens
+    assert after.config is not before.config and after.config["decode_pages"] == 64
+    assert door.max_model_len(after) == small.pool_tokens("decode") != \
+        door.max_model_len(before)

@@ -10,7 +10,7 @@ import pytest
 
 from common.auth import Keys, create_keys
 from common.config import ServeConfig
-from common.control import Bye, Shutdown
+from common.control import Bye, Shutdown, Submit, pack_ids
 from deploy.http.bridge import RouterBridge
 from deploy.http.hosted import HostedRouter
 from deploy.router.client import Client
@@ -34,9 +34,10 @@ def test_the_bridge_calls_the_router_and_the_socket_serves_others(tmp_path, keys
         bridge.start()
         view = await bridge.status(timeout_s=1.0)   # answered by a call: no socket
         assert view.config["page_size"] == CFG.page_size and not view.workers
-        queue = bridge.submit("r1", [1, 2, 3], {"max_new_tokens": 2})
+        queue = bridge.submit(Submit("r1", pack_ids([1, 2, 3]), {"max_new_tokens": 2}))
         event = await asyncio.wait_for(queue.get(), 1.0)   # no worker: refused at once
         assert event.done and event.reason == "refused" and "worker" in event.error
+        assert event.code == "unavailable"
         # a client on the socket is served by the same loop meanwhile
         status = await asyncio.to_thread(outside.status, 2.0)
         assert status.in_flight == 0 and status.config["page_size"] == CFG.page_size

@@ -1,7 +1,8 @@
 """The front door's fast lane (``deploy.http.lane``) in one process: the generation
 routes are served without FastAPI's request machinery, with the same answers, and every
-other request still reaches the FastAPI app. The router is a port that records what the
-bridge sends; the test plays the router's answers."""
+other request still reaches the FastAPI app. Behind the front door runs a real router
+(in process, over a fake hub: ``tests.fakes.RouterPort``) with a prefill and a decode
+that the test plays."""
 
 from __future__ import annotations
 
@@ -11,47 +12,56 @@ import json
 import pytest
 
 from common.config import ServeConfig
-from common.control import CODEC, Done, Message, StatusReport, Submit, Tokens, unpack_ids
+from common.control import (
+    CODEC,
+    Done,
+    Prefilled,
+    Ready,
+    Register,
+    Req,
+    StatusReport,
+    Submit,
+    Tokens,
+    unpack_ids,
+)
 from deploy.http.app import FrontDoor, create_app
 from deploy.http.bridge import RouterBridge
-from deploy.http.lane import NOT_JSON, FastLane
+from deploy.http.lane import FastLane
+from deploy.http.translate import NOT_JSON
+from deploy.router.router import Router
+from tests.fakes import FakeHub, RouterPort
 
 WORKERS = {"p0": {"role": "prefill", "ready": True, "lost": False, "pid": 1, "paused": ""},
            "d0": {"role": "decode", "ready": True, "lost": False, "pid": 2, "paused": ""}}
+CFG = ServeConfig()
 
 
-class RecordingPort:
-    """A ``deploy.http.ports.Port`` whose router is the test."""
-
-    address = "test://router"
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def attach(self, loop, deliver) -> None:
-        pass
-
-    def send(self, msg: Message) -> None:
-        self.sent.append(msg)
-
-    def detach(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def deployment() -> Router:
+    """A router with one prefill (p0) and one decode (d0) registered and ready."""
+    router = Router(FakeHub(), CFG)
+    for name, role in (("p0", "prefill"), ("d0", "decode")):
+        router.dispatch(name.encode(), Register(role, name, 100))
+        router.dispatch(name.encode(), Ready(name, "ipc:///p0" if role == "prefill" else "",
+                                             CFG.pool_tokens(role)))
+        router.hub.take(name.encode())
+    return router
 
 
 @pytest.fixture
 def lane():
-    port = RecordingPort()
+    router = deployment()
+    port = RouterPort(router)
     bridge = RouterBridge(port.address, port=port)
+    port.attach(None, bridge._dispatch)   # what bridge.start does, without its status loop
     door = FrontDoor(bridge)
     app = create_app(lambda: door)
     app.state.door = door   # what the lifespan does, without the status loop
-    bridge._dispatch(CODEC.decode(CODEC.encode(StatusReport(WORKERS, 0,
-                                                            ServeConfig().to_dict()))))
+    bridge._dispatch(CODEC.decode(CODEC.encode(StatusReport(WORKERS, 0, CFG.to_dict()))))
     yield FastLane(app), bridge, port
     door.shutdown("test over")
+    router.encoder.close()
+    router.hub.close()
+    router.ctx.term()
 
 
 def _scope(method: str, path: str, content_type: bytes | None) -> dict:
@@ -64,9 +74,9 @@ def _scope(method: str, path: str, content_type: bytes | None) -> dict:
 
 async def _call(lane: FastLane, method: str, path: str, body: bytes = b"",
                 content_type: bytes | None = b"application/json", answer=None,
-                port: RecordingPort | None = None) -> tuple[int, bytes]:
-    """One request through the lane: (status, body). ``answer(rid)`` plays the router
-    once the request was submitted to ``port``."""
+                port: RouterPort | None = None) -> tuple[int, bytes]:
+    """One request through the lane: (status, body). ``answer(req)`` plays the workers
+    once the router routed the request (``req``: the decode's ``Req``)."""
     sent: list[dict] = []
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -79,10 +89,11 @@ async def _call(lane: FastLane, method: str, path: str, body: bytes = b"",
         sent.append(message)
 
     task = asyncio.ensure_future(lane(_scope(method, path, content_type), receive, send))
-    if answer is not None:  # play the router once the request reached it
+    if answer is not None:  # play the workers once the router routed the request
         while not task.done() and not any(isinstance(m, Submit) for m in port.sent):
             await asyncio.sleep(0)
-        answer(next(m.rid for m in port.sent if isinstance(m, Submit)))
+        (req,) = port.router.hub.take(b"d0", Req)
+        answer(req)
     await asyncio.wait_for(task, 5.0)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -94,12 +105,13 @@ def test_a_stream_goes_through_the_lane_to_the_router_and_back(lane):
                        "stream_options": {"include_usage": True}, "return_token_ids": True,
                        "ignore_eos": True}).encode()
 
-    def router(rid: str) -> None:
-        bridge._dispatch(Tokens(rid, [11], first=True))
-        bridge._dispatch(Tokens(rid, [12]))
-        bridge._dispatch(Done(rid, "length", 2))
+    def workers(req: Req) -> None:
+        port.worker_says(b"p0", Tokens(req.rid, [11], first=True))
+        port.worker_says(b"d0", Tokens(req.rid, [11], first=True), Tokens(req.rid, [12]),
+                         Done(req.rid, "length", 2))
+        port.worker_says(b"p0", Prefilled(req.rid, "sent"))
 
-    status, out = asyncio.run(_call(asgi, "POST", "/v1/completions", body, answer=router,
+    status, out = asyncio.run(_call(asgi, "POST", "/v1/completions", body, answer=workers,
                                      port=port))
     assert status == 200
     (submit,) = [m for m in port.sent if isinstance(m, Submit)]
@@ -111,6 +123,7 @@ def test_a_stream_goes_through_the_lane_to_the_router_and_back(lane):
     assert [c["choices"][0]["token_ids"] for c in chunks if c["choices"]] == [[11], [12], []]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert chunks[-1]["usage"]["prompt_tokens"] == 3
     assert {c["id"] for c in chunks} == {submit.rid}
 
 
@@ -121,7 +134,7 @@ def test_a_stream_goes_through_the_lane_to_the_router_and_back(lane):
     (b"{not json", b"application/json", "body", NOT_JSON),
     (b"[1, 2]", b"application/json; charset=utf-8", "body", NOT_JSON),
     (b'{"prompt": [1, 2], "max_tokens": "many"}', b"application/json", "max_tokens",
-     "max_tokens: "),
+     "max_new_tokens='many'; allowed: integers in [1, "),
     (b'{"prompt": [1, 2], "whatever": 1}', b"application/vnd.x+json", "whatever",
      "unrecognized request argument: whatever"),
     (b'{"prompt": [1, 2], "n": 3}', b"application/json", "n", "n=3"),
@@ -133,7 +146,9 @@ def test_the_lane_refuses_as_the_app_does(lane, body, content_type, param, messa
     err = json.loads(out)["error"]
     assert status == (404 if param == "model" else 400), err
     assert err["param"] == param and message in err["message"], err
-    assert not [m for m in port.sent if isinstance(m, Submit)]
+    submitted = [m for m in port.sent if isinstance(m, Submit)]
+    assert len(submitted) == (param != "body")   # the router's door refused the others
+    assert not port.router.hub.take(b"d0") and not port.router.routes
 
 
 def test_chat_is_in_the_lane_too(lane):

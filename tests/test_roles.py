@@ -99,6 +99,8 @@ def deployment(router, keys):
     _pump(router)
     req_d, req_p = _answer(d, Req), _answer(p, Req)
     assert req_d.cap == req_p.cap and len(req_d.cap) == 32   # 128 random bits, both sides
+    admitted = _answer(alice, Tokens)                        # the door let it in
+    assert (admitted.rid, admitted.ids, admitted.prompt_tokens) == ("r1", [], 3)
     return p, d, alice, req_d
 
 

@@ -28,6 +28,7 @@ from common.control.messages import (
     Stats,
     Status,
     StatusReport,
+    Stop,
     Submit,
     Tokens,
 )
@@ -36,4 +37,5 @@ __all__ = ["Abort", "Bye", "CODEC", "Codec", "ControlHub", "ControlLink", "Decod
            "Error", "Hub", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
            "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping", "Pong", "Prefilled",
            "Ready", "Register", "Registered", "Req", "Scalar", "Shutdown", "Stats", "Status",
-           "StatusReport", "Submit", "Tokens", "pack_ids", "poll_for", "unpack_ids", "wait_any"]
+           "StatusReport", "Stop", "Submit", "Tokens", "pack_ids", "poll_for", "unpack_ids",
+           "wait_any"]

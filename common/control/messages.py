@@ -18,10 +18,11 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``MetricsReport`` | worker -> router | every ``heartbeat_s`` and as it closes: its metrics |
 | ``Submit`` | client -> router | a new request |
 | ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
-| ``Tokens`` | worker -> router -> client | tokens as they are generated |
+| ``Tokens`` | worker -> router -> client | tokens as they come (the router's first: admitted) |
 | ``Done`` | worker -> router -> client | a request ended (router adds prefill figures) |
 | ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
+| ``Stop`` | router -> decode/colocated | a stop string ended the output: finish it (``stop``) |
 | ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
 | ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
 | ``MetricsQuery`` / ``MetricsSnapshot`` | client -> router -> client | the deployment's metrics |
@@ -134,11 +135,16 @@ class Tokens:
     it is computed and the decode again once it holds the KV; the router relays the one
     that comes first and drops the other."""
     text: str = ""
-    """Router -> client, text requests: the text these ids complete (may be empty while a
-    character or a possible stop string is incomplete)."""
+    """Router -> client, for a model with a tokenizer: the text these ids complete (may be
+    empty while a character or a possible stop string is incomplete; never the text of a
+    stop id)."""
     t_kv_wall: float = 0.0
     """Decode -> router only: wall clock when the decode held all KV and the first
     token (the router measures the exposed transfer with it)."""
+    prompt_tokens: int = 0
+    """Router -> client: the router's first ``Tokens`` of a request has no ids and says
+    that its door let the request in; it carries the prompt's length as served (a text as
+    encoded), for usage figures while the output streams."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,11 @@ class Done:
     kv_bytes: int = 0
     """Router -> client: bytes of KV the transfer carried."""
     text: str = ""
-    """Router -> client, text requests: the whole output text (the streamed pieces
-    joined), cut before a stop string."""
+    """Router -> client, for a model with a tokenizer: the whole output text (the streamed
+    pieces joined), cut before a stop string."""
+    prompt_ids: bytes = b""
+    """Router -> client, when the request asked (``return_token_ids``): the prompt's token
+    ids as served (a text prompt as encoded), int32 (``unpack_ids``)."""
     prompt_tokens: int = 0
     """Router -> client: tokens of the prompt (a text prompt as encoded)."""
     cached_tokens: int = 0
@@ -280,17 +289,31 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Stop:
+    """Router -> the decode (or colocated) worker of ``rid``: a stop string ended its
+    output at the router; finish it as ``stop`` (its row freed ``finished``) now, or as
+    soon as it decodes when its prompt's KV is still on the way. The prefill is not told:
+    it ends its part as always (``sent``)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
 class Error:
     """A refused request (``rid`` set) or message. ``code``: ``bad_request`` (fix the
     request and retry), ``unknown_rid``, ``refused`` (registration), ``forbidden`` (the
     sender's identity may not send this, or not for this request), ``not_registered``
     (a worker message from a peer that did not register), ``unexpected`` (a message this
-    receiver does not take), or a codec code (``malformed``, ``unknown_type``,
+    receiver does not take), a refused submission's code (``context_length_exceeded``,
+    ``model_not_found``, ``overloaded``, ``unavailable``... ``deploy.router.errors``),
+    or a codec code (``malformed``, ``unknown_type``,
     ``missing_field``, ``bad_field``, ``oversized``, ``extra_frames``)."""
 
     rid: str
     error: str
     code: str = "bad_request"
+    param: str = ""
+    """A refused request: the parameter at fault (``max_new_tokens``, ``prompt``...)."""
 
 
 @dataclass(frozen=True)
@@ -331,5 +354,5 @@ class Malformed:
 
 Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | Tokens | Done
            | Registered | Req | Submit | Status | StatusReport | MetricsQuery
-           | MetricsSnapshot | Bye | Abort | Error | Ping | Pong | Shutdown)
+           | MetricsSnapshot | Bye | Abort | Stop | Error | Ping | Pong | Shutdown)
 CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

@@ -47,6 +47,7 @@ from common.control import (
     Req,
     Shutdown,
     Stats,
+    Stop,
     wait_any,
 )
 from common.freelog import configure as configure_freelog
@@ -273,6 +274,8 @@ class WorkerBase(ABC):
             self.on_req(msg)
         elif isinstance(msg, Abort):
             self.on_abort(msg.rid)
+        elif isinstance(msg, Stop):
+            self.on_stop(msg.rid)
         elif isinstance(msg, Shutdown):
             logger.info("%s: shutdown requested", self.name)
             self.stopping = True
@@ -393,6 +396,12 @@ class WorkerBase(ABC):
     @abstractmethod
     def on_abort(self, rid: str) -> None:
         """The router aborts ``rid`` (client abort, or its other worker ended it)."""
+
+    def on_stop(self, rid: str) -> None:
+        """The router's text route ended ``rid``'s output (a stop string): a worker that
+        decodes finishes it as ``stop``; a prefill has nothing to do (its part ends as
+        always)."""
+        return None
 
     @abstractmethod
     def tick(self) -> bool:

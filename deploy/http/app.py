@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP front door: routes, admission, streaming, shutdown.
 
-``create_app`` builds a FastAPI app in front of a router (``RouterBridge``). A request is
-checked (``translate``; a long text is encoded on one of ``encode_threads`` threads, so
-that the loop keeps answering everyone else), admitted if fewer than ``max_waiting``
-requests wait for their first token or their encoding (else 429), submitted under a
-front-door request id of its own, and answered as one JSON body or as Server-Sent Events.
-A client that leaves aborts its request; ``FrontDoor.shutdown`` ends every open stream
-with an error chunk.
+``create_app`` builds a FastAPI app in front of a router (``RouterBridge``). A request's
+JSON is translated to the router's ``Submit`` (``translate``: no validation, no
+tokenizer; the router's door checks everything, encodes text and cuts stops), admitted
+if fewer than ``max_waiting`` requests wait for their first token (else 429), submitted
+under a front-door request id of its own, and answered, once the router's first word on
+it came (its first tokens, or its refusal as the HTTP error of its code), as one JSON
+body or as Server-Sent Events. A client that leaves aborts its request;
+``FrontDoor.shutdown`` ends every open stream with an error chunk.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common import trace
@@ -32,63 +33,54 @@ from deploy.http.errors import ApiError, error_body
 from deploy.http.generation import Generation
 from deploy.http.responses import DONE, Shaper, sse
 from deploy.http.schemas import ChatCompletionRequest, CompletionRequest
-from deploy.http.text import TextModel, load_text_model
-from deploy.http.translate import Limits, Plan, plan_chat, plan_completion, text_chars
+from deploy.http.translate import Plan, plan
 
 logger = logging.getLogger(__name__)
-
-# Texts up to this many characters are encoded on the loop: a few thousand characters
-# encode in well under a millisecond, less than a thread's hand-off costs; megabytes
-# take seconds, which would stall every other request.
-LOOP_TEXT_CHARS = 4096
 
 
 class FrontDoor:
     """State shared by the routes: the router link, admission, open generations."""
 
     def __init__(self, bridge: RouterBridge, *, model_name: str = "", api_key: str = "",
-                 max_waiting: int = 256, encode_threads: int = 2) -> None:
-        if max_waiting < 1 or encode_threads < 1:
-            raise ValueError(f"max_waiting={max_waiting} and encode_threads={encode_threads}"
-                             " must be >= 1")
+                 max_waiting: int = 256) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting} must be >= 1")
         self.bridge, self.api_key, self.max_waiting = bridge, api_key, max_waiting
         self.model_name = model_name
         self.live: set[Generation] = set()
-        self.encoding = 0  # requests whose text a thread encodes now or soon
-        self._encoder = ThreadPoolExecutor(encode_threads, thread_name_prefix="pdkv-encode")
         self.closing = ""
-        self._limits: tuple[int, Limits] | None = None
-        self._text: tuple[int, TextModel | None] | None = None
+        self._config: tuple[int, tuple[str, int]] | None = None
         self.t_created = int(time.time())
 
-    # -- what the deployment allows --------------------------------------------------------
+    # -- the router's side -----------------------------------------------------------------
     def view(self) -> RouterView:
-        """The router's last status; 503 while the deployment cannot serve."""
+        """The router's last status; 503 while shutting down or the router is silent
+        (whether workers can serve a request is the router's door's to say)."""
         if self.closing:
             raise ApiError(503, f"the server is shutting down ({self.closing})")
         view = self.bridge.view
         if view is None or self.bridge.router_lost:
             raise ApiError(503, f"the router at {self.bridge.address} is not answering")
-        ok, why = view.ready()
-        if not ok:
-            raise ApiError(503, f"not ready: {why}")
         return view
 
     def served_model(self, view: RouterView) -> str:
-        return self.model_name or ServeConfig.from_dict(view.config).model_name
+        """The name clients call the model (``--served-model-name``, else the router's)."""
+        return self.model_name or self._derived(view)[0]
 
-    def limits(self, view: RouterView) -> Limits:
-        key = id(view.config)
-        if self._limits is None or self._limits[0] != key:
-            self._limits = (key, Limits.from_config(view.config, self.served_model(view),
-                                                    view.colocated))
-        return self._limits[1]
+    def max_model_len(self, view: RouterView) -> int:
+        """What ``/v1/models`` reports: the longest row of the config's decode pools, or
+        the model's context if shorter (the router's door enforces the live limits)."""
+        return self._derived(view)[1]
 
-    def text(self, view: RouterView) -> TextModel | None:
+    def _derived(self, view: RouterView) -> tuple[str, int]:
+        """(the router's name of the model, max_model_len), built when the config changes
+        (a checkpoint's config.json is read), not at every status answer."""
         key = id(view.config)
-        if self._text is None or self._text[0] != key:
-            self._text = (key, load_text_model(view.config))
-        return self._text[1]
+        if self._config is None or self._config[0] != key:
+            cfg = ServeConfig.from_dict(view.config)
+            self._config = (key, (cfg.model_name, min(cfg.pool_tokens("decode"),
+                                                      cfg.model_config().max_position)))
+        return self._config[1]
 
     def check_key(self, request: Request) -> None:
         if not self.api_key:
@@ -101,38 +93,17 @@ class FrontDoor:
 
     # -- serving -------------------------------------------------------------------------
     def _refuse_if_full(self) -> None:
-        waiting = sum(1 for g in self.live if g.waiting) + self.encoding
+        """The front door's own bound: requests it holds without a first token (HTTP
+        connections and their queues; the router bounds its encoding queue itself)."""
+        waiting = sum(1 for g in self.live if g.waiting)
         if waiting >= self.max_waiting:
-            raise ApiError(429, f"{waiting} requests are waiting for their first token or "
-                                f"their encoding (the front door holds at most "
-                                f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
-                           headers={"retry-after": "1"})
+            raise ApiError(429, f"{waiting} requests are waiting for their first token (the "
+                                f"front door holds at most {self.max_waiting}); retry later",
+                           code="rate_limit_exceeded", headers={"retry-after": "1"})
 
-    async def plan(self, body, chat: bool, lim: Limits, text: TextModel | None) -> Plan:
-        """The request checked and its text encoded: on the loop when it is short, else on
-        an encoding thread (counted as waiting, so admission bounds the threads' queue)."""
-        make = plan_chat if chat else plan_completion
-        if text is None or text_chars(body) <= LOOP_TEXT_CHARS:
-            return make(body, lim, text)
+    def admit(self, plan: Plan) -> Generation:
         self._refuse_if_full()
-        self.encoding += 1
-        try:
-            plan = await asyncio.get_running_loop().run_in_executor(
-                self._encoder, make, body, lim, text)
-        except asyncio.CancelledError:
-            if not self.closing:
-                raise  # the request itself was cancelled
-            plan = None  # shutdown cancelled the encoding
-        finally:
-            self.encoding -= 1
-        if self.closing:
-            raise ApiError(503, f"the server is shutting down ({self.closing})")
-        return plan
-
-    def admit(self, plan: Plan, text: TextModel | None) -> Generation:
-        self._refuse_if_full()
-        stream = text.stream(plan.prompt, plan.stop_strs) if text is not None else None
-        gen = Generation(self.bridge, plan, stream)
+        gen = Generation(self.bridge, plan)
         try:
             gen.start()
         except RouterDown as exc:
@@ -141,16 +112,23 @@ class FrontDoor:
         return gen
 
     async def serve(self, request: Request, body, chat: bool):
+        """Answer one generation request; ``body`` is its parsed JSON."""
         t_in = trace.now_ns()
         self.check_key(request)
         view = self.view()
-        lim, text = self.limits(view), self.text(view)
-        plan = await self.plan(body, chat, lim, text)
-        gen = self.admit(plan, text)
+        gen = self.admit(plan(body, chat, self.served_model(view), self._derived(view)[0]))
         trace.mark("http.request_in", gen.rid, t_in)
         trace.mark("http.submit_out", gen.rid)
-        shaper = Shaper(gen, lim.model, chat)
-        if plan.stream:
+        try:   # the router's first word: tokens, or its refusal (raised as the HTTP error)
+            await until_disconnect(gen.opened(), request.receive)
+        except ConnectionAbortedError:
+            self._forget(gen)
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        except BaseException:
+            self._forget(gen)
+            raise
+        shaper = Shaper(gen, self.served_model(view), chat)
+        if gen.plan.stream:
             return EventStream(self._stream(gen, shaper))
         try:
             text_out = await until_disconnect(self._collect(gen), request.receive)
@@ -192,7 +170,6 @@ class FrontDoor:
         """Refuse new requests; end every open one with an error (streams get an error
         chunk and ``[DONE]``), aborting it on the router."""
         self.closing = why
-        self._encoder.shutdown(wait=False, cancel_futures=True)
         for gen in list(self.live):
             gen.interrupt(f"the server is shutting down ({why})")
 
@@ -229,16 +206,23 @@ def create_app(door_factory, *, title: str = "pdkv") -> FastAPI:
     return app
 
 
+def _body_doc(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema()}}}}
+
+
 def _routes(app: FastAPI) -> None:
     def door(request: Request) -> FrontDoor:
         return request.app.state.door
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    # The fast lane (deploy/http/lane.py) serves both POST routes; these declarations
+    # give /docs their bodies (schemas.py documents the fields, the router checks them).
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    async def completions(request: Request, body: Annotated[dict, Body()]):
         return await door(request).serve(request, body, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat_completions(request: Request, body: Annotated[dict, Body()]):
         return await door(request).serve(request, body, chat=True)
 
     @app.get("/v1/models")
@@ -246,10 +230,9 @@ def _routes(app: FastAPI) -> None:
         d = door(request)
         d.check_key(request)
         view = d.view()
-        lim = d.limits(view)
         return {"object": "list", "data": [{
-            "id": lim.model, "object": "model", "created": d.t_created, "owned_by": "pdkv",
-            "max_model_len": lim.max_row}]}
+            "id": d.served_model(view), "object": "model", "created": d.t_created,
+            "owned_by": "pdkv", "max_model_len": d.max_model_len(view)}]}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -269,7 +252,9 @@ def _routes(app: FastAPI) -> None:
     async def health(request: Request):
         d = door(request)
         try:
-            d.view()
+            ok, why = d.view().ready()
+            if not ok:
+                raise ApiError(503, f"not ready: {why}")
         except ApiError as exc:
             return JSONResponse({"status": "unavailable", "reason": exc.message},
                                 status_code=503)

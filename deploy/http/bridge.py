@@ -32,7 +32,7 @@ from common.control import (
     StatusReport,
     Submit,
     Tokens,
-    pack_ids,
+    unpack_ids,
 )
 from deploy.http.ports import Port, RouterDown, ZmqPort
 
@@ -42,14 +42,23 @@ __all__ = ["Event", "RouterBridge", "RouterDown", "RouterView"]
 
 @dataclass
 class Event:
-    """What happened to one request: new tokens, or its end."""
+    """What happened to one request: new tokens (and their text), or its end."""
 
     ids: list[int] = field(default_factory=list)
+    text: str = ""
     done: bool = False
     reason: str = ""
     """stop, length, aborted, error, timeout, refused (the router refused the submit)."""
     error: str = ""
+    code: str = ""
+    """Refused: the router's code (``deploy.router.errors``)."""
+    param: str = ""
+    """Refused: the parameter at fault."""
     cached_tokens: int = 0
+    prompt_tokens: int = 0
+    """The prompt's length as served (on the first tokens, and at the end)."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """At the end, when the request asked for them (``return_token_ids``)."""
 
 
 @dataclass
@@ -117,12 +126,13 @@ class RouterBridge:
         return time.monotonic() - last > self._router_timeout_s
 
     # -- requests ------------------------------------------------------------------------
-    def submit(self, rid: str, prompt: list[int], params: dict) -> asyncio.Queue[Event]:
+    def submit(self, msg: Submit) -> asyncio.Queue[Event]:
         """Send a request; its events arrive on the returned queue, the last one done."""
+        rid = msg.rid
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._queues[rid] = queue
         try:
-            self._port.send(Submit(rid, pack_ids(prompt) if prompt else b"", params))
+            self._port.send(msg)
         except RouterDown:
             self._queues.pop(rid, None)
             raise
@@ -186,9 +196,9 @@ class RouterBridge:
         if isinstance(msg, (StatusReport, MetricsSnapshot)):
             if isinstance(msg, StatusReport):
                 # the same config keeps the same object: what the front door derives
-                # from it (limits, the tokenizer: ~1 ms for the built-in one, far more
-                # for a checkpoint's) is cached by identity and must survive the status
-                # answer that comes every status_interval_s
+                # from it (/v1/models' max_model_len reads a checkpoint's config.json) is
+                # cached by identity and must survive the status answer that comes
+                # every status_interval_s
                 config = msg.config
                 if self.view is not None and self.view.config == config:
                     config = self.view.config
@@ -208,14 +218,18 @@ class RouterBridge:
             if msg.first:
                 trace.mark("http.first_in", rid)
             if rid not in self._abandoned:
-                queue.put_nowait(Event(ids=list(msg.ids)))
+                queue.put_nowait(Event(ids=list(msg.ids), text=msg.text,
+                                       prompt_tokens=msg.prompt_tokens))
         elif isinstance(msg, Done):
             self._end(rid, Event(done=True, reason=msg.reason, error=msg.error,
-                                 cached_tokens=msg.cached_tokens))
+                                 cached_tokens=msg.cached_tokens,
+                                 prompt_tokens=msg.prompt_tokens, prompt_ids=unpack_ids(
+                                     msg.prompt_ids).tolist() if msg.prompt_ids else []))
         elif isinstance(msg, Error) and rid not in self._abandoned:
             # a refused submit (an abort that raced the end is answered with an Error
             # too: its Done comes, or came, on its own)
-            self._end(rid, Event(done=True, reason="refused", error=msg.error))
+            self._end(rid, Event(done=True, reason="refused", error=msg.error,
+                                 code=msg.code, param=msg.param))
 
     def _end(self, rid: str, event: Event) -> None:
         queue = self._queues.pop(rid)

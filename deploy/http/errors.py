@@ -1,8 +1,12 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every refusal the front door makes is an ``ApiError`` with the HTTP status a client of
-the OpenAI API expects: 400 bad parameter (naming it), 401 bad or missing key, 404
-unknown model or route, 413 prompt too long, 429 front door full, 503 not ready. A 500
+Every refusal the front door answers is an ``ApiError`` with the HTTP status a client of
+the OpenAI API expects. The router's door decides what to refuse and why (its ``Error``
+carries a code and the parameter at fault, ``deploy.router.errors``); this module alone
+turns codes into statuses (``STATUS``): 400 bad parameter (naming it), 404 unknown
+model, 413 prompt too long, 429 busy, 503 not ready. The front door's own refusals are
+about HTTP: 400 a body that is not JSON or does not translate, 401 bad or missing key,
+404 unknown route, 429 front door full, 503 router unreachable or shutting down. A 500
 is only ever an unexpected fault of pdkv itself, never a user's mistake.
 """
 
@@ -18,10 +22,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_exceeded", 500: "internal_server_error",
           503: "service_unavailable"}
+
+
+STATUS = {"bad_request": 400, "unsupported": 400, "context_length_exceeded": 413,
+          "model_not_found": 404, "forbidden": 403, "overloaded": 429,
+          "encode_timeout": 503, "unavailable": 503, "shutdown": 503,
+          "encode_failed": 500}
+"""The router's refusal codes -> HTTP statuses; any other code is a fault (500)."""
+
+
+def refusal(code: str, message: str, param: str | None) -> ApiError:
+    """The router refused a request (``Error`` with ``code``): its HTTP answer."""
+    status = STATUS.get(code, 500)
+    return ApiError(status, message, param=param or None,
+                    code=None if code == "bad_request" else code,
+                    headers={"retry-after": "1"} if status == 429 else None)
 
 
 class ApiError(Exception):

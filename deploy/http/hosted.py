@@ -6,8 +6,8 @@ back the same way: each crossing costs a send, a wake-up of another process and 
 decode, 0.3-0.6 ms on a busy host. Here the router shares the HTTP server's loop, so a
 submit is a call into the router and each message for the front door is a call back,
 as sglang's TokenizerManager shares its HTTP server's loop. The router's own work per
-message is small (no model; texts are encoded on threads, never on the loop), so it
-costs the HTTP side little. A front door that must scale apart from its router runs as
+message is small (no model; a long text is encoded on threads, never in the loop), so
+it costs the HTTP side little. A front door that must scale apart from its router runs as
 ``pdkv router`` + ``pdkv frontend`` (several front doors may share one router), or
 ``pdkv serve --router-process``.
 

@@ -2,10 +2,9 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are what every token waits
 behind, so they skip FastAPI's request machinery (its middleware stack, route matching,
-dependency solving, the body read through ``Request.json``): the lane reads the body,
-parses and validates it in one step with the same pydantic models
-(``model_validate_json``, pydantic's own JSON parser), and ``FrontDoor.serve`` serves it
-as before. Every other request (other routes, other methods on these paths, the
+dependency solving): the lane reads the body, parses it (pydantic's own JSON parser)
+and hands the object to ``FrontDoor.serve``, which translates it for the router (whose
+door checks it). Every other request (other routes, other methods on these paths, the
 lifespan) goes to the FastAPI app, which still declares both routes for its OpenAPI
 schema (``/docs``).
 
@@ -19,21 +18,17 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from deploy.http.errors import ApiError, validation_error
-from deploy.http.schemas import ChatCompletionRequest, CompletionRequest
+from deploy.http.errors import ApiError
+from deploy.http.translate import NOT_JSON
 
 logger = logging.getLogger(__name__)
 
-ROUTES: dict[str, tuple[type[BaseModel], bool]] = {
-    "/v1/completions": (CompletionRequest, False),
-    "/v1/chat/completions": (ChatCompletionRequest, True),
-}
-"""path -> (request model, chat)."""
-NOT_JSON = "the body must be a JSON object (Content-Type: application/json)"
+ROUTES: dict[str, bool] = {"/v1/completions": False, "/v1/chat/completions": True}
+"""path -> chat."""
 
 
 class FastLane:
@@ -43,26 +38,24 @@ class FastLane:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and \
+        chat = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" and \
             scope["method"] == "POST" else None
-        if route is None:
+        if chat is None:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
         try:
-            response = await self._serve(request, *route)
+            response = await self._serve(request, chat)
         except ClientDisconnect:
             return  # left while sending its body: nothing was submitted
         await response(scope, receive, send)
 
-    async def _serve(self, request: Request, model: type[BaseModel], chat: bool):
+    async def _serve(self, request: Request, chat: bool):
         try:
-            body = model.model_validate_json(await _json_body(request))
+            body = await _json_body(request)
             return await self.app.state.door.serve(request, body, chat)
         except ApiError as exc:
             return exc.response()
-        except ValidationError as exc:
-            return validation_error(exc.errors()).response()
         except ClientDisconnect:
             raise
         except Exception as exc:  # a fault of pdkv: the app's 500, never a dropped request
@@ -71,12 +64,18 @@ class FastLane:
                                  f"{exc}").response()
 
 
-async def _json_body(request: Request) -> bytes:
-    """The body's bytes; a 400 unless it was sent as JSON (FastAPI's strict content
-    type: ``application/json`` or ``application/*+json``)."""
+async def _json_body(request: Request) -> dict:
+    """The body as a JSON object; a 400 unless it is one, sent as JSON (FastAPI's strict
+    content type: ``application/json`` or ``application/*+json``)."""
     kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     body = await request.body()
     if not (kind == "application/json" or
             (kind.startswith("application/") and kind.endswith("+json"))) or not body:
         raise ApiError(400, NOT_JSON, param="body")
-    return body
+    try:
+        parsed = from_json(body)
+    except ValueError:
+        raise ApiError(400, NOT_JSON, param="body") from None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, NOT_JSON, param="body")
+    return parsed

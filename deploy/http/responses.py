@@ -45,7 +45,7 @@ class Shaper:
             choice["token_ids"] = list(self.gen.ids)
         out = {**self._head(self.object), "choices": [choice], "usage": self.gen.usage()}
         if self.gen.plan.return_token_ids:
-            out["prompt_token_ids"] = self.gen.plan.prompt
+            out["prompt_token_ids"] = self.gen.prompt_ids
         return out
 
     # -- streams -------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Request bodies of the OpenAI API that pdkv serves, as pydantic models.
+"""Request bodies of the OpenAI API that pdkv serves, as pydantic models: the OpenAPI
+page (``/docs``) only.
 
-Unknown top-level fields are refused (400 naming them) rather than silently ignored, so a
-client never believes a parameter took effect when it did not. Fields of the OpenAI API
-that pdkv does not implement are declared so that their neutral values (what clients send
-by default) pass; ``translate`` refuses any other value by name.
+No request is validated with these: the fast lane hands the parsed JSON to
+``deploy.http.translate``, and the router's door (``deploy.router.door``) checks every
+field, refusing an unknown one by name, so a client never believes a parameter took
+effect when it did not. Fields of the OpenAI API that pdkv does not implement are served
+at their neutral values only (``deploy.router.params``).
 """
 
 from __future__ import annotations
@@ -42,13 +44,19 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    """vLLM extension (its ``bench serve`` sends 1.0)."""
+    min_p: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
     """pdkv and vLLM extension: ``prompt_token_ids`` and per-choice ``token_ids``."""
     ignore_eos: bool = False
-    """vLLM extension: keep generating past the model's end-of-sequence token (pdkv's
-    built-in models have none)."""
+    """vLLM extension: keep generating past the model's end-of-sequence ids."""
+    skip_special_tokens: bool = True
+    """vLLM extension: leave special tokens out of the text."""
+    include_stop_str_in_output: bool = False
+    """vLLM extension: keep the stop string (or a stop id's text) in the text."""
 
 
 class CompletionRequest(_Sampling):

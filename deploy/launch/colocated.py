@@ -43,6 +43,11 @@ class ColocatedWorker(WorkerBase):
         if req is not None:
             self.scheduler.end(req, "aborted")
 
+    def on_stop(self, rid: str) -> None:
+        req = self.scheduler.find(rid)
+        if req is not None:
+            self.scheduler.stop(req)
+
     def on_req(self, msg: Req) -> None:
         rid = msg.rid
         try:

@@ -155,8 +155,7 @@ class _Session:
                 now - self.t0 >= self.requests[self.next_i].arrival_s:
             req = self.requests[self.next_i]
             self.results[req.rid].t_submit = time.monotonic()
-            self.client.submit(req.rid, req.prompt, {"max_new_tokens": req.max_new_tokens,
-                                                     **self.params},
+            self.client.submit(req.rid, req.prompt, {**_length(req), **self.params},
                                text=req.text, messages=req.messages, stop=req.stop)
             self.next_i += 1
         _send_aborts(self.client, self.results, self.aborts, now)
@@ -169,6 +168,15 @@ class _Session:
                 if progress is not None:
                     progress(self.done, len(self.requests))
         _abort_on_tokens(self.client, self.results, self.after_tokens)
+
+
+def _length(req: WorkRequest) -> dict:
+    """A request's output length: a token-id prompt (a seeded synthetic one) runs to its
+    drawn length past the model's eos ids, as ``vllm bench serve --ignore-eos`` does; a
+    text or chat request ends at them, as a client of the model expects."""
+    if req.text or req.messages:
+        return {"max_new_tokens": req.max_new_tokens}
+    return {"max_new_tokens": req.max_new_tokens, "ignore_eos": True}
 
 
 def _send_aborts(client: Client, results: dict[str, Result], aborts: dict[str, float],

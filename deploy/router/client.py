@@ -29,9 +29,11 @@ from common.control import (
 class Client:
     """One DEALER connection to the router.
 
-    ``poll`` returns the router's messages: ``Tokens`` (rid, ids, first), ``Done`` (rid,
-    reason, n, error, xfer_s, kv_bytes) and ``Error`` (rid, error, code) for refused
-    requests and messages (``common.control.messages``).
+    ``poll`` returns the router's messages: ``Tokens`` (rid, ids, first, text; a
+    request's first has no ids: its door let it in, ``prompt_tokens``), ``Done`` (rid,
+    reason, n, error, xfer_s, kv_bytes, text) and ``Error`` (rid, error, code, param) for
+    refused requests and messages (``common.control.messages``; the parameters a
+    ``submit`` takes: ``deploy.router.params``, docs/http.md).
 
     Args:
         address: the router's address.

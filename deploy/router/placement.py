@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.config import ServeConfig
-from common.request import BadRequest
+from deploy.router.errors import Unavailable
 
 
 @dataclass
@@ -41,12 +41,41 @@ def live(workers: Iterable[WorkerInfo], *roles: str) -> list[WorkerInfo]:
 
 
 def max_tokens(workers: Iterable[WorkerInfo]) -> int:
-    """Longest row (prompt + new tokens) some ready decode or colocated worker holds."""
+    """Longest row (prompt + new tokens) some ready decode or colocated worker holds.
+
+    Raises:
+        Unavailable: none is ready (naming the paused ones)."""
     workers = list(workers)
     decodes = live(workers, "decode", "colocated")
     if not decodes:
-        raise BadRequest("no decode or colocated worker is ready" + _paused(workers))
+        raise Unavailable("no decode or colocated worker is ready" + _paused(workers))
     return max(w.pool_tokens for w in decodes)
+
+
+def capacity(workers: Iterable[WorkerInfo]) -> tuple[int, int]:
+    """(longest row: prompt + output, longest prompt) some ready worker holds: a prompt
+    fits a colocated row less one (for the first output token), or a decode row less one
+    that also fits a ready prefill's row.
+
+    Raises:
+        Unavailable: no ready decode or colocated worker, or decodes but no prefill.
+    """
+    workers = list(workers)
+    row = prompt = prefill = 0
+    for w in workers:
+        if w.role == "prefill" and w.ready and not w.lost and not w.paused:
+            prefill = max(prefill, w.pool_tokens)
+    for w in workers:
+        if w.role in ("decode", "colocated") and w.ready and not w.lost and not w.paused:
+            row = max(row, w.pool_tokens)
+            prompt = max(prompt, w.pool_tokens - 1 if w.role == "colocated" else
+                         min(w.pool_tokens - 1, prefill))
+    if not row:
+        raise Unavailable("no decode or colocated worker is ready" + _paused(workers))
+    if prompt <= 0:
+        raise Unavailable("no ready prefill worker" + _paused(
+            [w for w in workers if w.role == "prefill"]))
+    return row, prompt
 
 
 def _paused(workers: list[WorkerInfo]) -> str:
@@ -61,13 +90,13 @@ def pick(workers: Iterable[WorkerInfo], prompt_len: int, row_len: int
     workers = list(workers)
     decodes = [w for w in live(workers, "decode", "colocated") if w.pool_tokens >= row_len]
     if not decodes:
-        raise BadRequest(f"no ready worker can hold {row_len} tokens")
+        raise Unavailable(f"no ready worker can hold {row_len} tokens")
     decode = min(decodes, key=lambda w: (w.assigned / w.pool_tokens, w.name))
     if decode.role == "colocated":
         return decode, None
     prefills = [w for w in live(workers, "prefill") if w.pool_tokens >= prompt_len]
     if not prefills:
-        raise BadRequest(f"no ready prefill worker can hold a {prompt_len}-token prompt"
+        raise Unavailable(f"no ready prefill worker can hold a {prompt_len}-token prompt"
                          + _paused([w for w in workers if w.role == "prefill"]))
     return decode, min(prefills, key=lambda w: (w.assigned, w.name))
 

@@ -3,14 +3,19 @@
 Clients and workers connect DEALER sockets to the router's one ROUTER socket
 (``common.control.messages``). For each submitted request the router
 
-1. validates it (``common.request.validate``) against the model and the pools that
-   registered, answering ``error`` to the client for a bad one; a text request is
-   encoded on a thread first (``deploy.router.text_encoder``), never in this loop;
+1. lets it in through its door (``deploy.router.door``, the only admission): every
+   parameter checked against the model and the pools that registered, the stop policy
+   applied, a text encoded (a long one on a thread, ``deploy.router.text_encoder``);
+   a bad request is answered ``error`` with its code;
 2. picks a decode (least reserved tokens per pool token) and a prefill (fewest prompt
    tokens assigned and not yet prefilled), or one colocated worker;
 3. sends ``req`` to both; the decode preallocates and announces to the prefill itself;
-4. relays ``tokens`` to the client as they come, and ``done`` once the decode finished and
-   the prefill reported its transfer (or a short grace period passed);
+4. tells the client it let the request in (a ``tokens`` with no ids, the prompt's
+   length in ``prompt_tokens``), then relays ``tokens`` to the client as they come, with
+   their text when the model has a tokenizer (``deploy.router.text_route``: the only
+   detokenizer and stop-string cutter; a stop string tells the decode to finish,
+   ``stop``), and ``done`` once the decode
+   finished and the prefill reported its transfer (or a short grace period passed);
 5. forwards client aborts to both workers; an unknown rid is an error to the client;
 6. fails requests of a worker silent past the lease, and requests past their deadline.
 
@@ -29,6 +34,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import zmq
 
@@ -59,18 +65,19 @@ from common.control import (
     Stats,
     Status,
     StatusReport,
+    Stop,
     Submit,
     Tokens,
     pack_ids,
 )
 from common.request import BadRequest, SamplingParams
-from deploy.router.door import Door
+from deploy.router.door import Admitted, Door
+from deploy.router.errors import Overloaded
 from deploy.router.metrics import RouterMetrics
 from deploy.router.placement import WorkerInfo, admits_at_once, pick
 from deploy.router.roles import is_operator, may_send
 from deploy.router.routes import Route, RouteTable
-from deploy.router.text_encoder import EncodeFailed, EncodeTimeout, Job, Overloaded, TextEncoder
-from deploy.router.text_route import TextRoute
+from deploy.router.text_encoder import Job, TextEncoder
 
 logger = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 2.0
@@ -362,14 +369,13 @@ class Router:
         return list(msg.ids[1:])
 
     def _text_tokens(self, route: Route, msg: Tokens) -> Tokens:
-        """Detokenize; a stop string ends the output here: the workers are told to stop."""
-        if route.text.stopped:
-            return dataclasses.replace(msg, ids=[])
+        """Detokenize; a stop string ends the output here, and the decode is told to
+        finish (``Stop``: its row is freed ``finished``; the prefill ends its part as
+        always)."""
+        was_stopped = route.text.stopped
         ids, text = route.text.feed(msg.ids)
-        if route.text.stopped:
-            for name in (route.decode, route.prefill):
-                if name and route.decode_done is None:
-                    self._send_worker(name, Abort(route.rid))
+        if route.text.stopped and not was_stopped and route.decode_done is None:
+            self._send_worker(route.decode, Stop(route.rid))
         return dataclasses.replace(msg, ids=ids, text=text)
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
@@ -399,39 +405,40 @@ class Router:
                 raise BadRequest(f"rid {msg.rid!r} is already in flight (its text is being "
                                  "encoded); wait for its done or abort it before reusing it")
             rid = self.routes.new_rid(peer, msg.rid)
-            if self.door.is_text(msg):   # encoded on a thread; routed by _tick_encoded
-                self.encoder.start((peer, msg.rid), self.door.text_job(msg), (rid, t_in),
-                                   now)
+            ask = self.door.read(msg)
+            if self.door.off_loop(ask):   # encoded on a thread; routed by _tick_encoded
+                self.encoder.start((peer, msg.rid), partial(self.door.encode, ask),
+                                   (rid, t_in, ask), now)
                 return
-            self._admitted(peer, msg.rid, rid, now, t_in,
-                           self.door.admit(msg, self.workers.values()))
+            self._admitted(peer, msg.rid, rid, now, t_in, self.door.admit(
+                ask, self.door.encode(ask), self.workers.values()))
         except BadRequest as exc:
             self._refuse_submit(peer, msg.rid, exc)
 
     def _admitted(self, peer: bytes, label: str, rid: str, t_submit: float, t_in: int,
-                  admitted: tuple[list[int], SamplingParams, TextRoute | None]) -> None:
+                  admitted: Admitted) -> None:
         """Place and route a request that passed the door (``t_in``: its arrival, for
         the trace).
 
         Raises:
             BadRequest: no worker can take it."""
-        prompt, params, text = admitted
+        prompt, params = admitted.prompt, admitted.params
         decode, prefill = pick(self.workers.values(), len(prompt),
                                len(prompt) + params.max_new_tokens)
         self._route(Route(rid, label, peer, decode.name, prefill.name if prefill else "",
                           len(prompt), len(prompt) + params.max_new_tokens, t_submit,
-                          text=text), prompt, params, decode, prefill)
+                          text=admitted.text, prompt_ids=pack_ids(prompt) if
+                          admitted.options.return_token_ids else b""),
+                    prompt, params, decode, prefill)
         trace.mark("router.submit_in", rid, t_in)
         trace.mark("router.req_out", rid)
 
     def _refuse_submit(self, peer: bytes, label: str, exc: BadRequest) -> None:
+        """Answer a refused submission with its code and the parameter at fault."""
         if isinstance(exc, Overloaded):
             self.metrics.encoded(None, type(exc).__name__)
-        code = ("overloaded" if isinstance(exc, Overloaded) else "encode_timeout"
-                if isinstance(exc, EncodeTimeout) else "encode_failed"
-                if isinstance(exc, EncodeFailed) else "bad_request")
-        self.errors[code] += 1
-        self.hub.send(peer, Error(label, str(exc), code))
+        self.errors[exc.code] += 1
+        self.hub.send(peer, Error(label, str(exc), exc.code, param=exc.param or ""))
 
     def _tick_encoded(self, now: float) -> None:
         """Route the text requests whose encoding finished; fail the ones that failed
@@ -446,10 +453,9 @@ class Router:
         try:
             if job.error is not None:
                 raise job.error
-            prompt, params, text = job.result
-            rid, t_in = job.context
+            rid, t_in, ask = job.context
             self._admitted(peer, label, rid, job.t_submit, t_in,
-                           self.door.check(prompt, params, text, self.workers.values()))
+                           self.door.admit(ask, job.result, self.workers.values()))
         except BadRequest as exc:
             self._refuse_submit(peer, label, exc)
 
@@ -457,6 +463,9 @@ class Router:
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
         route.cap = secrets.token_hex(16)  # KV only to these two workers (docs/security.md)
         self.routes.add(route)
+        # admitted: the client hears it now (the HTTP edge answers 200 on it), with the
+        # prompt's length as served
+        self.hub.send(route.client, Tokens(route.label, [], prompt_tokens=route.prompt_len))
         self.metrics.submitted(route.rid, route.t_submit)
         eager = admits_at_once(decode, route.row_len, self.config)
         decode.assigned += route.row_len
@@ -543,7 +552,11 @@ class Router:
         Re-entrant: aborting a worker may find it gone and fail its other routes."""
         if not self.routes.pop(route):
             return
-        self.hub.send(route.client, Done(route.label, reason, error=error))
+        if route.text is not None and route.text.stopped:
+            # the client had its whole output (cut at a stop string) already
+            self.hub.send(route.client, route.final(Done(route.rid, "stop")))
+        else:
+            self.hub.send(route.client, Done(route.label, reason, error=error))
         self.metrics.finished(route.rid, reason)
         self._release(route.decode, route.row_len if route.decode_done is None else 0)
         self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)

@@ -46,20 +46,24 @@ class Route:
     came first; None: not yet)."""
     aborted_by_client: bool = False
     text: TextRoute | None = None
-    """A text request: its detokenizer and stop strings."""
+    """Its output text: detokenizer, stop ids and stop strings (None: the model has no
+    tokenizer)."""
+    prompt_ids: bytes = b""
+    """The prompt's ids for the client (it asked: ``return_token_ids``)."""
     cap: str = ""
     """The KV capability only this request's decode and prefill get (docs/security.md)."""
 
-    def final(self) -> Done:
-        """The client's ``Done``: the decode's, with the prefill's figures and words (and,
-        for a text request, its text)."""
-        done, info = self.decode_done, self.prefill_info
+    def final(self, done: Done | None = None) -> Done:
+        """The client's ``Done``: the decode's (or ``done``), with the prefill's figures
+        and words, and the output's text."""
+        done, info = done or self.decode_done, self.prefill_info
         if self.text is not None:
-            if self.text.stopped:  # the router stopped it: the decode saw an abort
+            if self.text.stopped:  # cut at a stop string: whatever the decode did after
                 done = dataclasses.replace(done, reason="stop", error="",
                                            n=self.text.num_ids)
             done = dataclasses.replace(done, text=self.text.text)
-        out = dataclasses.replace(done, rid=self.label, prompt_tokens=self.prompt_len)
+        out = dataclasses.replace(done, rid=self.label, prompt_tokens=self.prompt_len,
+                                  prompt_ids=self.prompt_ids)
         if self.aborted_by_client and not done.ok:
             out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
         if info is None:

@@ -3,14 +3,15 @@
 Encoding a long text (or rendering a chat template) takes seconds: 1.2 MB of text took
 the built-in tokenizer 2.4 s, 8 MB 31 s under load. Done in the router's loop, that
 stalled every other request and the heartbeats, so workers were declared lost. Here the
-loop hands each text request to ``TextEncoder.start`` and takes the finished ones from
-``TextEncoder.take`` at every turn; the tokenizer itself (``tokenizers``, Rust) releases
-the GIL while it encodes (``Tokenizer.encode``), so the loop runs meanwhile.
+loop hands each long text request (``deploy.router.door.LOOP_TEXT_CHARS``; shorter ones
+encode in the loop, faster than a hand-off) to ``TextEncoder.start`` and takes the
+finished ones from ``TextEncoder.take`` at every turn; the tokenizer itself
+(``tokenizers``, Rust) releases the GIL while it encodes (``Tokenizer.encode``), so the
+loop runs meanwhile.
 
 Bounds, all from ``ServeConfig``:
 
-- ``encode_threads`` threads encode; the tokenizer is built by the first of them that
-  needs it (a checkpoint's ``tokenizer.json`` takes a while to load, too);
+- ``encode_threads`` threads encode (started at the first long text);
 - at most ``encode_queue`` texts are queued or being encoded; one more is refused at
   once (``Overloaded``), so a flood of texts cannot grow the router's memory;
 - a text not encoded within ``encode_timeout_s`` of its submission fails with
@@ -32,23 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.request import BadRequest
+from deploy.router.errors import EncodeFailed, EncodeTimeout, Overloaded
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[bytes, str]
 """(client, label): what a client's abort names."""
-
-
-class Overloaded(BadRequest):
-    """``encode_queue`` texts are queued or being encoded already."""
-
-
-class EncodeTimeout(BadRequest):
-    """The text was not encoded within ``encode_timeout_s`` of its submission."""
-
-
-class EncodeFailed(BadRequest):
-    """The tokenizer (or the chat template) failed on this text."""
 
 
 @dataclass
