@@ -123,37 +123,18 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def layer_draft_dir(layers: int, root: Path | None = None) -> Path:
     """A draft checkpoint of the real model's first ``layers`` blocks, its final norm and
-    its (tied) head: the layer-skip draft of the built-in models, as a checkpoint. Its
-    proposals are exactly those of a self-speculative draft of that depth."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    its (tied) head (``benchmarks.layer_draft``): the built-in models' layer-skip draft,
+    on a trained model. Cached beside the checkpoint."""
+    from benchmarks.layer_draft import write_layer_draft
 
     full = checkpoint_dir(root)
     target = full.parent / f"{NAME}-first{layers}"
-    if (target / "model.safetensors").is_file():
-        return target
-    config = json.loads((full / "config.json").read_text())
-    if not 1 <= layers < config["num_hidden_layers"]:
-        raise ValueError(f"layers={layers}: need 1 <= layers < {config['num_hidden_layers']}")
-    tmp = _scratch(full.parent)
-    try:
-        with safe_open(full / "model.safetensors", "pt") as f:
-            kept = {k: f.get_tensor(k) for k in f.keys() if _in_first(k, layers)}
-        save_file(kept, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                     "generation_config.json"):
-            shutil.copy(full / name, tmp / name)
-        _publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (target / "model.safetensors").is_file():
+        try:
+            write_layer_draft(full, layers, target)
+        except FileExistsError:  # another run wrote it meanwhile
+            pass
     return target
-
-
-def _in_first(name: str, layers: int) -> bool:
-    if not name.startswith("model.layers."):
-        return True
-    return int(name.split(".")[2]) < layers
 
 
 def serve_config(model_dir: Path, **changes: object):
