@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         resolve_model(model)
     except ValueError as exc:  # one line before anything runs, as deploy.cli.main prints it
-        raise ConfigError(f"--model: {exc}") from None
+        raise ConfigError(str(exc)) from None  # it names --model and the built-ins
     check_devices([device])
     argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix),
             "--config", model, "--device", device]
