@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -92,6 +94,19 @@ def checkpoint_dir(root: Path | None = None) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
+    """Convert in a child process with the hub switched off (transformers never reaches
+    the network for a local file then), which also keeps the dequantized copy out of
+    this process's memory."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "tests.real_model", "--convert", str(gguf),
+                           str(out)], env=env, cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"converting {gguf} failed:\n{done.stderr[-3000:]}")
+
+
+def _convert_here(gguf: Path, out: Path) -> None:
     import torch
     import transformers
 
@@ -166,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="print a draft checkpoint of the first N blocks instead")
     p.add_argument("--cache", type=Path, default=None,
                    help=f"cache folder (default $PDKV_MODEL_CACHE or {cache_root()})")
+    p.add_argument("--convert", nargs=2, type=Path, help=argparse.SUPPRESS)  # GGUF OUT
     a = p.parse_args(argv)
+    if a.convert:
+        _convert_here(*a.convert)
+        return 0
     if why := missing_reason():
         print(why)
         return 2
