@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.spec_texts import encode_workloads
 from benchmarks.speculative import _decode_once
+from common.config import ServeConfig
 from common.model import Model, Tokenizer, generate_greedy, load_config
 from decode_node.batch import greedy_step
 from decode_node.ngram import NgramProposer
@@ -94,6 +95,13 @@ def test_zz_free_logs_replay_clean(served64) -> None:
     _, _, tmp, proc = served64
     assert proc.stop() == 0, (tmp / "serve.log").read_text()[-3000:]
     assert_logs_clean(tmp)
+
+
+def test_a_checkpoint_does_not_speculate_by_default(real_model_dir) -> None:
+    """Neither kind pays on this CPU across real text (docs/benchmarks.md), so a
+    checkpoint speculates only when asked (``--spec-ngram`` or ``--draft-model``)."""
+    cfg = ServeConfig(model_path=str(real_model_dir))
+    assert cfg.spec_k == 3 and cfg.spec_kind == "" and not cfg.with_draft
 
 
 @pytest.fixture(scope="module")
