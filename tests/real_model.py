@@ -11,8 +11,9 @@ template, eos ``<|im_end|>`` (id 2).
 The conversion (about 20 s, in a child process with the hub switched off) runs once per
 package and transformers version: the directory is cached under ``$PDKV_MODEL_CACHE``
 (default ``~/.cache/pdkv/models``), written to a temporary name first and renamed into
-place, so concurrent test runs never see half of it. ``layer_draft_dir`` keeps the first N blocks (plus the final norm and the tied head):
-the layer-skip draft that the built-in models use, as a draft checkpoint of its own.
+place, so concurrent test runs never see half of it. ``layer_draft_dir`` keeps the first
+N blocks (plus the final norm and the tied head): the layer-skip draft that the built-in
+models use, as a draft checkpoint of its own.
 
     python -m tests.real_model            # prints the directory (converting if needed)
     python -m tests.real_model --layers 8 # prints a draft of the first 8 blocks
