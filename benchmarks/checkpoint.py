@@ -120,7 +120,12 @@ def main(args: argparse.Namespace) -> int:
         path = Path(args.dir) if args.dir else export(args.shape, args.dtype, Path(tmp, "m"))
         result = {"shape": args.shape, "dtype": args.dtype, "checkpoint": str(path),
                   "load": bench_load(path, args.dtype, args.repeat)}
-        if not args.load_figures_only:
+        if not args.load_figures_only and args.dir and not _same_shape(path, args):
+            # decode and speculation compare with the built-in of --shape: another
+            # model's checkpoint has only load figures (its speculation on real text:
+            # python -m benchmarks.speculative --model DIR)
+            result["note"] = f"{path.name} is not the built-in {args.shape!r}: load figures only"
+        elif not args.load_figures_only:
             builtin = Model(get_config(args.shape, dtype=args.dtype))
             ckpt = Model(load_config(path, dtype=args.dtype))
             result["decode"] = bench_decode(ckpt, builtin, args)
@@ -132,12 +137,20 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _same_shape(path: Path, args: argparse.Namespace) -> bool:
+    mine, builtin = load_config(path, dtype=args.dtype), get_config(args.shape, dtype=args.dtype)
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "intermediate_size")
+    return all(getattr(mine, f) == getattr(builtin, f) for f in fields)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small", help="built-in shape to export (default small)")
     p.add_argument("--dtype", default="float32", help="checkpoint and compute dtype")
-    p.add_argument("--dir", help="load this checkpoint instead of exporting --shape")
+    p.add_argument("--dir", help="load this checkpoint instead of exporting --shape (another "
+                   "model than --shape: load figures only)")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure (default 3)")
     p.add_argument("--batch", type=int, default=8, help="decode batch (default 8)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens (default 128)")

@@ -54,14 +54,17 @@ def point(records: list[Record], args: argparse.Namespace) -> dict:
     return out
 
 
-def _specs(args: argparse.Namespace) -> list[tuple[float, WorkloadSpec]]:
+def _specs(args: argparse.Namespace, rep: int) -> list[tuple[float, WorkloadSpec]]:
+    """Each rate point of repeat ``rep`` with a seed of its own: no point or repeat
+    reuses the prompts, and so the cached prefixes, of another (a server's prefix cache
+    would otherwise serve every repeat after the first from cache)."""
     base = workload_from_args(args)
     rates = args.rates or [args.rate]
-    return [(rate, replace(base, rate=rate, seed=base.seed + 1000 * i))
+    return [(rate, replace(base, rate=rate, seed=base.seed + 1000 * i + 100_000 * rep))
             for i, rate in enumerate(rates)]
 
 
-def _sweep_cluster(args, mode: str, n_p: int, n_d: int) -> dict[float, dict]:
+def _sweep_cluster(args, rep: int, mode: str, n_p: int, n_d: int) -> dict[float, dict]:
     cfg = config_from_args(args)
     vocab = cfg.model_config().vocab_size
     cluster = Cluster(cfg, mode, n_p, n_d, devices=devices_from(args.devices),
@@ -69,20 +72,20 @@ def _sweep_cluster(args, mode: str, n_p: int, n_d: int) -> dict[float, dict]:
     try:
         return {rate: point(records_of(drive(cluster.client, make_workload(spec, vocab),
                                              check=cluster.check)), args)
-                for rate, spec in _specs(args)}
+                for rate, spec in _specs(args, rep)}
     finally:
         cluster.stop()
         cluster.check_exit_codes()
         cluster.cleanup()
 
 
-def _sweep_endpoint(args) -> dict[float, dict]:
+def _sweep_endpoint(args, rep: int) -> dict[float, dict]:
     target = Target(args.endpoint.rstrip("/"), model=args.served_model or "",
                     api_key=args.api_key or "", token_ids=not args.no_token_ids,
                     ignore_eos=args.ignore_eos)
     vocab = args.vocab_size or config_from_args(args).model_config().vocab_size
     return {rate: point(run(target, make_workload(spec, vocab)), args)
-            for rate, spec in _specs(args)}
+            for rate, spec in _specs(args, rep)}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,8 +100,8 @@ def main(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[float, dict]]] = {name: [] for name, _ in deployments}
     for rep in range(args.repeats):
         for name, how in deployments:
-            runs[name].append(_sweep_endpoint(args) if how is None else
-                              _sweep_cluster(args, *how))
+            runs[name].append(_sweep_endpoint(args, rep) if how is None else
+                              _sweep_cluster(args, rep, *how))
             print(f"  repeat {rep + 1}/{args.repeats} {name} done", file=sys.stderr)
     out = _result(args, runs)
     print(json.dumps(out) if args.json else format_table(out))

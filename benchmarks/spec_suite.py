@@ -1,7 +1,10 @@
 """``pdkv bench spec``: issue 5's three figures in one run, each against its baseline.
 
 1. decode tokens/s with and without speculation (``benchmarks.speculative``, same
-   prompts, default draft and ``--k``), medians and per-repeat spreads;
+   prompts, ``--k``), medians and per-repeat spreads: on a built-in model its own first
+   layers as the draft (seeded weights built so that the draft agrees); on a checkpoint
+   directory (``--model DIR``) n-gram lookup and the layer-skip draft on real-text
+   workloads (editing, quoting, code, summaries), with acceptance;
 2. follow-up TTFT with prefix reuse against without for a ``--prefix``-token shared
    prefix: in-process (``benchmarks.speculative``) and through real workers (a 1P1D
    deployment serving a multi-turn workload with ``--offload`` and ``--no-offload``;
@@ -19,8 +22,7 @@ import sys
 
 from benchmarks import offload, speculative
 from benchmarks.goals import Goals, add_bench_flags, run_as_script
-from common.config import ConfigError, ServeConfig
-from common.model import get_config
+from common.config import ConfigError, ServeConfig, resolve_model
 from deploy.launch.launcher import Cluster
 from deploy.launch.run import check_devices, serve_workload
 from deploy.loadgen.summary import pct
@@ -30,8 +32,9 @@ from deploy.loadgen.workload import WorkloadSpec
 def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: int,
                 model: str = "tiny", device: str = "cpu") -> dict:
     """TTFT of follow-up turns through a real 1P1D deployment."""
-    cfg = ServeConfig(model=model, offload=offload_on, prefill_pages=1024, decode_pages=1024,
-                      host_pages=1024, chunk_size=512, max_prefill_tokens=1024)
+    cfg = ServeConfig(**resolve_model(model), offload=offload_on, prefill_pages=1024,
+                      decode_pages=1024, host_pages=1024, chunk_size=512,
+                      max_prefill_tokens=1024)
     spec = WorkloadSpec(requests=convs * turns, seed=0, rate=1.0, prompt_len=(32, 64),
                         output_len=(4, 8), turns=turns, shared_prefix=prefix,
                         turn_gap_s=1.0)
@@ -48,9 +51,9 @@ def served_ttft(prefix: int, turns: int, convs: int, offload_on: bool, threads: 
 def main(args: argparse.Namespace) -> int:
     model, device = getattr(args, "model", "tiny"), getattr(args, "device", "cpu")
     try:
-        get_config(model)
+        resolve_model(model)
     except ValueError as exc:  # one line before anything runs, as deploy.cli.main prints it
-        raise ConfigError(f"--model: {exc}") from None
+        raise ConfigError(str(exc)) from None  # it names --model and the built-ins
     check_devices([device])
     argv = ["--k", str(args.k), "--repeat", str(args.repeats or 5), "--prefix", str(args.prefix),
             "--config", model, "--device", device]
@@ -93,10 +96,11 @@ def add_command(bench) -> None:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (default 3)")
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per served worker")
-    p.add_argument("--model", default="tiny", metavar="NAME",
-                   help="built-in model config of the decode and TTFT figures and of the "
-                        "served deployment (tiny, small, llama-1b-shape, llama-8b-shape; "
-                        "default tiny)")
+    p.add_argument("--model", default="tiny", metavar="NAME|DIR",
+                   help="the model of the decode and TTFT figures and of the served "
+                        "deployment: a built-in (tiny, small, llama-1b-shape, "
+                        "llama-8b-shape; default tiny) or a checkpoint directory (then the "
+                        "decode figures are n-gram and layer-skip speculation on real text)")
     p.add_argument("--device", default="cpu", metavar="DEVICE",
                    help="cpu (default) or cuda:N: the in-process model, the served "
                         "workers and the offload bench's device pool")

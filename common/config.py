@@ -65,8 +65,9 @@ class ServeConfig:
     requests only); 0 turns speculation off. It proposes with ``draft_model_path``, else
     n-gram lookup (``spec_ngram``), else a built-in model's own first layers; a
     checkpoint with neither a draft nor n-gram lookup does not speculate. 3 is where the
-    tiny model's decode tokens/s peaked (acceptance about 0.86); larger k wastes verify
-    work on rejected tails."""
+    built-in tiny model's decode tokens/s peaked (acceptance about 0.86, from seeded
+    weights built so that its draft layers agree); larger k wastes verify work on rejected
+    tails. On a trained checkpoint see docs/benchmarks.md."""
     offload: bool = True
     """Decode offloads committed full pages to a host tier while decoding, and prefill
     and decode reuse cached prompt prefixes from their host tiers (docs/host_tier.md)."""

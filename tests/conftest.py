@@ -33,3 +33,14 @@ def no_leaked_zmq(monkeypatch):
     yield tracker
     if message := tracker.leaks():
         pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """SmolLM2-135M-Instruct as a float32 Hugging Face checkpoint directory, converted once
+    (tests/real_model.py); skips, saying why, where its package is not installed."""
+    from tests.real_model import checkpoint_dir, missing_reason
+
+    if why := missing_reason():
+        pytest.skip(why)
+    return checkpoint_dir()
