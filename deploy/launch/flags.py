@@ -118,7 +118,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", metavar="DIR",
                    help="keep free logs (<worker>.freelog) and process logs (<name>.log) "
                         "here (default: a temporary directory, removed when all is clean)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per worker (default 0: one per core the worker may "
+                        "run on; CPU workers then share this host's cores out between them)")
     from deploy.launch.cluster.commands import add_cluster_flags
 
     add_cluster_flags(p)

@@ -61,7 +61,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from common.auth import InsecureBind, KeysError
     from common.node import FreeLogFailed, RouterLost, setup_process
     from common.node.tp import TpSpec, run_follower
-    setup_process(getattr(args, "threads", 1))  # torch threads: only workers import torch
+    setup_process(getattr(args, "threads", 0))  # torch threads: only workers import torch
     from deploy.launch.run import check_devices
     check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"
