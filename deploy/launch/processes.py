@@ -57,6 +57,8 @@ def run_router(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
+    from common.sizing import passive_omp_waits
+    passive_omp_waits()  # before anything loads torch
     _setup(args)
     from common.auth import InsecureBind, KeysError
     from common.node import FreeLogFailed, RouterLost, setup_process
