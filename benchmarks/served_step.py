@@ -84,6 +84,8 @@ def in_process_step(cfg: ServeConfig, batch: int, prompt_len: int, steps: int,
 def served(cfg: ServeConfig, batch: int, prompt_len: int, steps: int) -> dict:
     """Submit ``batch`` requests at once to a 1P1D deployment; the steady window's TPOT."""
     cluster = Cluster(cfg, "disagg", 1, 1).start()
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cluster.router_cores or was)  # the client beside the router
     try:
         vocab = cfg.model_config().vocab_size
         times: dict[str, list[float]] = {f"s{i}": [] for i in range(batch)}
@@ -106,6 +108,7 @@ def served(cfg: ServeConfig, batch: int, prompt_len: int, steps: int) -> dict:
             raise RuntimeError(f"only {len(done)} of {batch} requests ended in 600 s")
         decode_cores = next(p.cores for p in cluster.procs if p.role == "decode")
     finally:
+        os.sched_setaffinity(0, was)
         cluster.stop()
         cluster.check_exit_codes()
         cluster.cleanup()

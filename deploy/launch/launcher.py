@@ -204,8 +204,18 @@ class Cluster:
                      or p.argv[p.argv.index("--device") + 1] == "cpu" for p in workers)
         if self.threads or not on_cpu or len(workers) < 2:
             return
-        for p, cores in zip(workers, split_cores(len(workers))):
+        blocks = split_cores(len(workers))
+        for p, cores in zip(workers, blocks):
             p.cores = cores
+        self.router_cores = blocks[0]
+        for p in self.procs:
+            if p.role == "router":
+                p.cores = blocks[0]
+
+    router_cores: list[int] | None = None
+    """Where the router runs (and should a front door in the caller's process): the first
+    worker's cores (a prefill's in a disaggregated deployment, idle while decodes step),
+    so that it never takes a decode's core mid-step; None: unpinned."""
 
     def _tp_address(self) -> str:
         """A group's rendezvous: a free TCP port on loopback (gloo needs TCP)."""
