@@ -261,7 +261,9 @@ def test_the_launcher_shares_the_cores_out_between_cpu_workers():
     try:
         workers = [p for p in cluster.procs if p.role != "router"]
         assert [p.cores for p in workers] == split_cores(2, cores)
-        assert all(p.cores is None for p in cluster.procs if p.role == "router")
+        # the router beside the prefill, off the decode's cores
+        assert [p.cores for p in cluster.procs if p.role == "router"] == [workers[0].cores]
+        assert cluster.router_cores == workers[0].cores
     finally:
         _discard(cluster)
     given = Cluster(CFG, "disagg", 1, 1, secure=False, threads=2)   # threads set: no pins
