@@ -5,8 +5,8 @@ Pools are sized in bytes, not tokens, so the same defaults fit a 135M model and 
 | device | budget of the device pool (``prefill_pages``/``decode_pages`` override it) |
 | --- | --- |
 | CPU | ``kv_memory_mib`` |
-| CUDA | ``gpu_memory_utilization`` of the device's total, less what it holds now, the |
-|      | model's weights and an activation margin |
+| CUDA | ``gpu_memory_utilization`` of the device's total (at most what is free), less |
+|      | the model's weights and an activation margin |
 
 The host tier is ``host_memory_mib`` (or ``host_pages``) on either. A worker's torch
 threads default to the cores it may run on (its CPU affinity), which the launcher splits
@@ -36,9 +36,10 @@ def device_pool_pages(cfg: ServeConfig, role: str, device: str) -> int:
 
 
 def cuda_kv_budget(cfg: ServeConfig, role: str, device: str) -> int:
-    """Bytes a CUDA worker's KV pool may take: ``gpu_memory_utilization`` of the device's
-    total, less what is in use now (other processes included), less the weights this
-    rank will load and the activations of one forward pass.
+    """Bytes a CUDA worker's KV pool may take: its share, ``gpu_memory_utilization`` of
+    the device's total (no more than is free now), less the weights this rank will load
+    and the activations of one forward pass. Workers sharing a device each take their
+    share (two on one GPU: 0.45 each, say), as vLLM instances do.
 
     Raises:
         ValueError: nothing is left for even two pages; the message names the figures.
@@ -52,16 +53,18 @@ def cuda_kv_budget(cfg: ServeConfig, role: str, device: str) -> int:
     if draft is not None and cfg.with_draft:
         weights += weight_bytes(draft) // tp
     acts = activation_bytes(cfg.model_config(), cfg.max_prefill_tokens) // tp
-    budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weights - acts
+    share = min(int(total * cfg.gpu_memory_utilization), free)
+    budget = share - weights - acts
     if budget < 2 * cfg.page_bytes(role):
         raise ValueError(
             f"{device}: no room for a KV pool: gpu_memory_utilization="
-            f"{cfg.gpu_memory_utilization} of {total >> 20} MiB, {(total - free) >> 20} MiB "
-            f"in use, weights {weights >> 20} MiB, activations {acts >> 20} MiB; raise "
-            "gpu_memory_utilization or give decode_pages/prefill_pages")
-    logger.info("%s: KV pool budget %d MiB (%.2f of %d MiB, %d in use, weights %d, "
+            f"{cfg.gpu_memory_utilization} of {total >> 20} MiB ({free >> 20} MiB free), "
+            f"weights {weights >> 20} MiB, activations {acts >> 20} MiB; raise "
+            "gpu_memory_utilization (workers sharing a device each need their share: two "
+            "on one GPU, 0.45 each) or give decode_pages/prefill_pages")
+    logger.info("%s: KV pool budget %d MiB (%.2f of %d MiB, %d free, weights %d, "
                 "activations %d)", device, budget >> 20, cfg.gpu_memory_utilization,
-                total >> 20, (total - free) >> 20, weights >> 20, acts >> 20)
+                total >> 20, free >> 20, weights >> 20, acts >> 20)
     return budget
 
 

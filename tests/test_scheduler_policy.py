@@ -215,14 +215,20 @@ def test_pools_follow_the_memory_budget_and_page_counts_override_it(tmp_path, mo
         worker.close()
     assert dataclasses.replace(cfg, decode_pages=40).pool_pages("decode") == 40
     assert dataclasses.replace(cfg, host_pages=9).host_pool_pages() == 9
-    # CUDA: the share of the device less what it holds, the weights and activations
+    # CUDA: the worker's share of the device (at most what is free), less the weights and
+    # activations
     gib = 1 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 40 * gib))
-    budget = cuda_kv_budget(cfg, "decode", "cuda:0")
     from common.sizing import activation_bytes, weight_bytes
     m = cfg.model_config()
-    assert budget == int(40 * gib * 0.9) - 10 * gib - weight_bytes(m) - activation_bytes(
-        m, cfg.max_prefill_tokens)
+    rest = weight_bytes(m) + activation_bytes(m, cfg.max_prefill_tokens)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 40 * gib))
+    assert cuda_kv_budget(cfg, "decode", "cuda:0") == int(40 * gib * 0.9) - rest
+    half = dataclasses.replace(cfg, gpu_memory_utilization=0.45)   # a second worker's share
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (22 * gib, 40 * gib))
+    assert cuda_kv_budget(half, "decode", "cuda:0") == int(40 * gib * 0.45) - rest
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 40 * gib))
+    budget = cuda_kv_budget(cfg, "decode", "cuda:0")
+    assert budget == 30 * gib - rest                                # no more than is free
     assert device_pool_pages(cfg, "decode", "cuda:0") == budget // page + 1
     assert device_pool_pages(dataclasses.replace(cfg, decode_pages=40), "decode",
                              "cuda:0") == 40
