@@ -272,6 +272,13 @@ def test_the_launcher_shares_the_cores_out_between_cpu_workers():
         assert cluster.router_cores == workers[0].cores
     finally:
         _discard(cluster)
+    if len(cores) == 2:   # one colocated worker: the router gets a core of its own
+        alone = Cluster(CFG, "colocated", 0, 1, secure=False)
+        try:
+            assert alone.router_cores == cores[:1]
+            assert [p.cores for p in alone.procs if p.role != "router"] == [cores[1:]]
+        finally:
+            _discard(alone)
     given = Cluster(CFG, "disagg", 1, 1, secure=False, threads=2)   # threads set: no pins
     try:
         assert all(p.cores is None for p in given.procs)

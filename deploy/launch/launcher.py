@@ -198,24 +198,33 @@ class Cluster:
     def _share_cores(self) -> None:
         """With ``threads`` 0, pin each CPU worker process to its block of the host's
         cores (its torch threads follow its affinity); a GPU worker or a set thread
-        count keeps the launcher's affinity."""
+        count keeps the launcher's affinity.
+
+        The router (and a front door in the caller's process) needs a core too: with a
+        core to spare it gets one of its own, else it shares the first worker's. A
+        worker's torch threads on every core beside a busy front door wait, region after
+        region, for the thread the front door pushed off its core (a colocated worker on
+        both of 2 cores served a 4-layer model at 100 tokens/s, docs/benchmarks)."""
         workers = [p for p in self.procs if p.role != "router"]
         on_cpu = all("--device" not in p.argv
                      or p.argv[p.argv.index("--device") + 1] == "cpu" for p in workers)
-        if self.threads or not on_cpu or len(workers) < 2:
+        cores = sorted(os.sched_getaffinity(0))
+        if self.threads or not on_cpu or len(cores) < 2:
             return
-        blocks = split_cores(len(workers))
-        for p, cores in zip(workers, blocks):
-            p.cores = cores
-        self.router_cores = blocks[0]
+        spare = len(cores) > len(workers)
+        blocks = split_cores(len(workers), cores[1:] if spare else cores)
+        self.router_cores = cores[:1] if spare else blocks[0]
+        for p, block in zip(workers, blocks):
+            p.cores = block
         for p in self.procs:
             if p.role == "router":
-                p.cores = blocks[0]
+                p.cores = self.router_cores
 
     router_cores: list[int] | None = None
-    """Where the router runs (and should a front door in the caller's process): the first
-    worker's cores (a prefill's in a disaggregated deployment, idle while decodes step),
-    so that it never takes a decode's core mid-step; None: unpinned."""
+    """Where the router runs (and should a front door in the caller's process): a core of
+    its own when one is spare, else the first worker's (a prefill's in a disaggregated
+    deployment, idle while decodes step), so that it never takes a decode's core
+    mid-step; None: unpinned."""
 
     def _tp_address(self) -> str:
         """A group's rendezvous: a free TCP port on loopback (gloo needs TCP)."""
