@@ -44,18 +44,32 @@ class ServeConfig:
     outputs compare exactly."""
     page_size: int = 16
     """Slots per KV page, equal on prefill and decode (checked by the handshake)."""
-    prefill_pages: int = 2048
-    """Pages of each prefill worker's KV pool (page 0 reserved)."""
-    decode_pages: int = 4096
-    """Pages of each decode worker's KV pool (page 0 reserved)."""
+    prefill_pages: int = 0
+    """Pages of each prefill worker's KV pool (page 0 reserved); 0 (default): sized from
+    the memory budget (``kv_memory_mib`` on CPU, ``gpu_memory_utilization`` on CUDA;
+    ``common.sizing``). A count here overrides the budget."""
+    decode_pages: int = 0
+    """Pages of each decode (or colocated) worker's KV pool; 0: from the memory budget,
+    as ``prefill_pages``."""
+    kv_memory_mib: int = 1024
+    """CPU: MiB of each worker's KV pool (target and draft layers of every page), the
+    size vLLM's CPU build takes as ``VLLM_CPU_KVCACHE_SPACE``. Ignored where a page count
+    is given."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: share of the device's memory one worker may fill in all (its weights, an
+    activation margin and its KV pool), as vLLM's ``--gpu-memory-utilization``: the pool
+    gets that share of the device's total, less what the device already holds and less
+    the model's weights and activations. Ignored where a page count is given."""
     max_rows: int = 256
     """Requests a worker's pool holds open at once."""
     chunk_size: int = 256
     """Prefill chunk: most prompt tokens one request contributes to one forward pass."""
     max_prefill_tokens: int = 1024
     """Token budget of one prefill forward pass over all its requests."""
-    max_running: int = 64
-    """Decode: most requests in one continuous batch."""
+    max_running: int = 0
+    """Decode: most requests admitted at once (rows held: decoding, and prefilling on a
+    colocated worker); 0 (default) sizes it from the pool: every admitted request holds
+    at least one page, so ``min(max_rows, usable pages)`` (``batch_limit``)."""
     draft_kv: bool = False
     """Prefill also computes (and ships) the draft model's KV; speculative decoding
     needs it. Off: pools hold the target's layers only. Implied by ``spec_k > 0``
@@ -71,12 +85,19 @@ class ServeConfig:
     offload: bool = True
     """Decode offloads committed full pages to a host tier while decoding, and prefill
     and decode reuse cached prompt prefixes from their host tiers (docs/host_tier.md)."""
-    host_pages: int = 4096
-    """Pages of each worker's host tier (page 0 reserved); used when ``offload`` is on."""
-    overcommit: bool = False
-    """Decode admits a request on its prompt's pages alone instead of its whole life; when
-    a running request cannot grow, the youngest is retracted to the host tier and resumed
-    when pages come back. Needs ``offload``."""
+    host_pages: int = 0
+    """Pages of each worker's host tier (page 0 reserved); used when ``offload`` is on.
+    0 (default): ``host_memory_mib`` of pages."""
+    host_memory_mib: int = 1024
+    """MiB of each worker's host tier (pinned host memory beside a GPU), unless
+    ``host_pages`` gives a count."""
+    overcommit: bool = True
+    """Allocate on demand and preempt (default): a decode or colocated worker admits a
+    request on its prompt's pages (and the first decode slot) and its row grows as it
+    generates; when a running request cannot grow, the youngest is retracted to the host
+    tier and resumed, oldest first, when pages come back. It needs the host tier
+    (``offload``); without it (or False here) admission reserves each request's whole
+    life, prompt + max_new_tokens, up front (``preempts``)."""
     prefix_load_timeout_s: float = 2.0
     """Longest a worker waits for a prefix load from its host tier. Past it the request
     gives up the cached prefix (its row is freed with reason ``timeout``; the load's pins
@@ -162,14 +183,20 @@ class ServeConfig:
                              f"{_KV_TRANSPORTS}")
         if self.kv_security not in _KV_SECURITY:
             raise ValueError(f"kv_security={self.kv_security!r}; allowed: {_KV_SECURITY}")
-        for name in ("page_size", "max_rows", "chunk_size", "max_running",
-                     "max_new_tokens_limit"):
+        for name in ("page_size", "max_rows", "chunk_size", "max_new_tokens_limit",
+                     "kv_memory_mib", "host_memory_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("prefill_pages", "decode_pages"):
-            if getattr(self, name) < 2:
+        if self.max_running < 0:
+            raise ValueError(f"max_running={self.max_running} must be >= 1, or 0 (sized "
+                             "from the pool)")
+        for name in ("prefill_pages", "decode_pages", "host_pages"):
+            if getattr(self, name) == 1 or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 2 (page 0 is "
-                                 "reserved)")
+                                 "reserved), or 0 (sized from the memory budget)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}; "
+                             "allowed: (0, 1]")
         if self.max_prefill_tokens < self.chunk_size:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= "
                              f"chunk_size={self.chunk_size}")
@@ -178,11 +205,6 @@ class ServeConfig:
                              f"lease_s={self.lease_s}")
         if not 0 <= self.spec_k <= 16:
             raise ValueError(f"spec_k={self.spec_k}; allowed: 0 (off) to 16")
-        if self.offload and self.host_pages < 2:
-            raise ValueError(f"host_pages={self.host_pages} must be >= 2 (page 0 is reserved)")
-        if self.overcommit and not self.offload:
-            raise ValueError("overcommit=True needs offload=True (retraction goes to the "
-                             "host tier)")
         if not 0 < self.prefix_load_timeout_s < self.lease_s:
             raise ValueError(f"need 0 < prefix_load_timeout_s={self.prefix_load_timeout_s} "
                              f"< lease_s={self.lease_s}")
@@ -283,14 +305,46 @@ class ServeConfig:
         return KvLayout(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads,
                         head_dim=t.head_dim, dtype=t.dtype, num_draft_layers=num_draft)
 
+    @property
+    def preempts(self) -> bool:
+        """Admission allocates on demand and retracts under pressure (``overcommit`` with
+        a host tier to retract to); False: whole-life reservation."""
+        return self.overcommit and self.offload
+
+    def batch_limit(self, num_pages: int) -> int:
+        """Requests a worker with a pool of ``num_pages`` admits at once: ``max_running``,
+        or (0) as many as the pool has pages for, one each, at most ``max_rows``."""
+        return self.max_running or max(1, min(self.max_rows, num_pages - 1))
+
     def role_tp(self, role: str) -> int:
         """Tensor-parallel ranks a worker of ``role`` has (a colocated worker: the decode's)."""
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
+    def page_bytes(self, role: str = "decode") -> int:
+        """Bytes of one page of a ``role`` worker's pool on one rank (its share of the
+        heads in a tensor-parallel group)."""
+        return self.kv_layout().page_bytes(self.page_size) // self.role_tp(role)
+
+    def pool_pages(self, role: str, budget_bytes: int | None = None) -> int:
+        """Pages of a ``role`` ('prefill', 'decode', 'colocated') worker's pool: the count
+        given (``prefill_pages``/``decode_pages``), else as many as ``budget_bytes``
+        (default ``kv_memory_mib``, the CPU budget) hold, plus the reserved page 0.
+        ``common.sizing.device_pool_pages`` gives a CUDA worker's budget."""
+        given = self.prefill_pages if role == "prefill" else self.decode_pages
+        if given:
+            return given
+        budget = self.kv_memory_mib << 20 if budget_bytes is None else budget_bytes
+        return max(2, budget // self.page_bytes(role) + 1)
+
+    def host_pool_pages(self, role: str = "decode") -> int:
+        """Pages of a worker's host tier: ``host_pages``, else ``host_memory_mib`` of them."""
+        return self.host_pages or max(2, (self.host_memory_mib << 20)
+                                      // self.page_bytes(role) + 1)
+
     def pool_tokens(self, role: str) -> int:
-        """Tokens one row of a ``role`` ('prefill' or 'decode') pool can hold at most."""
-        pages = self.prefill_pages if role == "prefill" else self.decode_pages
-        return (pages - 1) * self.page_size
+        """Tokens one row of a ``role`` ('prefill' or 'decode') pool can hold at most, as
+        the config sizes it on CPU; a CUDA worker reports its own pool with ``Ready``."""
+        return (self.pool_pages(role) - 1) * self.page_size
 
     def to_dict(self) -> dict:
         """Plain fields (JSON/msgpack-safe)."""

@@ -1,11 +1,17 @@
-"""Admission as memory allows: a FIFO queue and a page reservation ledger.
+"""Admission as memory allows: a FIFO queue, and either on-demand allocation or a page
+reservation ledger.
 
-A request is admitted only when the pool can hold its whole life: the prompt now and one
-slot per generated token later. The ledger remembers what each admitted request may still
-allocate, so a full pool queues new requests instead of running an admitted one out of
-pages mid-decode. With overcommit (``whole_life=False``) only the prompt and the first
-decode slot are reserved, and the decode scheduler retracts running requests to the host
-tier when they outgrow the pool (``decode_node.retraction``).
+On demand (``whole_life=False``, the default with a host tier): a request is admitted
+when the pool holds its prompt and first decode slot beyond what the running requests'
+next step needs (``headroom``); its row then grows a step at a time, and the decode
+scheduler retracts running requests to the host tier when they outgrow the pool
+(``decode_node.retraction``). So a pool admits as many requests as it holds now, not as
+many as it could hold at their longest.
+
+Whole life (``whole_life=True``): a request is admitted only when the pool can hold its
+whole life, the prompt now and one slot per generated token later. The ledger remembers
+what each admitted request may still allocate, so a full pool queues new requests instead
+of running an admitted one out of pages mid-decode.
 
 Admission opens and extends rows; it never frees one (the scheduler does, once).
 """
@@ -13,6 +19,7 @@ Admission opens and extends rows; it never frees one (the scheduler does, once).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from common.kv import KvCache, ceil_div
 from common.request import Request
@@ -25,11 +32,15 @@ class Admission:
         cache: the worker's pool.
         max_running: requests admitted at once (rows held).
         whole_life: reserve each request's whole life (default); False reserves only its
-            prompt and first decode slot (overcommit: the worker retracts under pressure).
+            prompt and first decode slot (on demand: the worker retracts under pressure).
+        headroom: on demand, pages the running requests' next step may take; admission
+            leaves them free (None: none).
     """
 
-    def __init__(self, cache: KvCache, max_running: int, whole_life: bool = True) -> None:
+    def __init__(self, cache: KvCache, max_running: int, whole_life: bool = True,
+                 headroom: Callable[[], int] | None = None) -> None:
         self.cache, self.max_running, self.whole_life = cache, max_running, whole_life
+        self.headroom = headroom
         self.queue: OrderedDict[str, Request] = OrderedDict()
         self.admitted: dict[str, Request] = {}
 
@@ -37,9 +48,10 @@ class Admission:
         self.queue[req.rid] = req
 
     def _outstanding(self) -> int:
-        """Pages admitted requests may still allocate (0 when overcommitting)."""
+        """Pages admitted requests may still allocate (whole life), or their next step
+        may (on demand)."""
         if not self.whole_life:
-            return 0
+            return self.headroom() if self.headroom is not None else 0
         ps = self.cache.page_size
         return sum(ceil_div(it.max_len, ps) - ceil_div(it.kv.allocated_len, ps)
                    for it in self.admitted.values() if it.kv is not None)
@@ -47,7 +59,7 @@ class Admission:
     def can_admit(self, req: Request) -> bool:
         if len(self.admitted) >= self.max_running:
             return False
-        # overcommit: the prompt and the first decode slot; growth may retract later
+        # on demand: the prompt and the first decode slot; growth may retract later
         life = req.max_len if self.whole_life else min(req.max_len, len(req.prompt) + 1)
         need = ceil_div(life, self.cache.page_size)
         return self.cache.num_free_pages() - self._outstanding() >= need

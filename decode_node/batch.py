@@ -97,12 +97,19 @@ class DecodeBatch:
         self.running[req.rid] = req
         return True
 
+    @staticmethod
+    def items(seqs: list[Request]) -> list[BatchItem]:
+        """A plain step's forward items: each sequence's newest token at its position."""
+        return [BatchItem(s.kv, s.output[-1:], s.next_position) for s in seqs]
+
     def remove(self, rid: str) -> Request | None:
         """Take ``rid`` out (abort); the caller frees its row."""
         return self.running.pop(rid, None)
 
-    def step(self) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
-        """One step over all running sequences.
+    def step(self, step_fn: StepFn | None = None
+             ) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
+        """One step over all running sequences (by ``step_fn``, default the batch's own:
+        a colocated worker passes one that folds prefill chunks into the same forward).
 
         Returns:
             (each sequence with its newly emitted tokens, sequences that finished; these
@@ -111,7 +118,7 @@ class DecodeBatch:
         if not self.running:
             return [], []
         seqs = list(self.running.values())
-        new = self.step_fn(self.runner, seqs)
+        new = (step_fn or self.step_fn)(self.runner, seqs)
         self.num_steps += 1
         emitted, finished = [], []
         for s, toks in zip(seqs, new):

@@ -63,7 +63,7 @@ class Retractor:
 
     def pages_short(self) -> int:
         """Pages the next step may need beyond the free ones (<= 0: it fits)."""
-        return self._running_need() - self.cache.num_free_pages()
+        return self.running_need() - self.cache.num_free_pages()
 
     def relieve(self) -> list[Request]:
         """Retract youngest-first until the next step fits; returns the retracted ones."""
@@ -94,7 +94,7 @@ class Retractor:
             r = next(iter(self.waiting.values()))
             need = ceil_div(len(r.committed_tokens) + self.spec_k + 1, ps)
             # resumed rows join the batch after this call: keep their next step's pages
-            if self.cache.num_free_pages() - self._running_need() - reserved < need:
+            if self.cache.num_free_pages() - self.running_need() - reserved < need:
                 break
             try:
                 self.host_connector.resume(runner, r, timeout_s)
@@ -111,7 +111,8 @@ class Retractor:
             logger.info("%s resumed from the host tier", r.rid)
         return out, failed
 
-    def _running_need(self) -> int:
+    def running_need(self) -> int:
+        """Pages the running requests' next step may allocate (admission leaves them)."""
         return sum(self._step_pages(r) for r in self.batch.running.values())
 
     def discard(self, req: Request) -> bool:

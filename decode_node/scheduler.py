@@ -25,14 +25,14 @@ from collections import Counter
 from collections.abc import Callable
 
 from common.config import ServeConfig
-from common.control import Done, Load, Message, Tokens
+from common.control import Done, Load, Message, StepTokens, Tokens
 from common.kv import FreeReason, KvCache
 from common.metrics import abort_readings, host_readings, spec_readings
 from common.model import ModelRunner
 from common.node import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.request import ReqState, Request, check_transition
 from decode_node.admission import Admission
-from decode_node.batch import DecodeBatch, finish_ranges
+from decode_node.batch import DecodeBatch, StepFn, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector
 from decode_node.retraction import Retractor
 from decode_node.speculative import make_step, spec_stats
@@ -61,7 +61,8 @@ class DecodeScheduler:
         who: how error messages to the client name the worker (``"decode d0"``).
         instead: what the worker does with the prompt when no prefix was loaded
             (``"receiving"`` or ``"computing"``; logs only).
-        whole_life: reserve each request's whole life (False: overcommit, retraction).
+        whole_life: reserve each request's whole life (False: allocate on demand and
+            retract under pressure; needs the host tier).
     """
 
     def __init__(self, name: str, cfg: ServeConfig, cache: KvCache, runner: ModelRunner,
@@ -69,7 +70,8 @@ class DecodeScheduler:
                  who: str, instead: str, whole_life: bool = True) -> None:
         self.name, self.cfg, self.cache, self.runner = name, cfg, cache, runner
         self.send, self.stop_prompt, self.who, self.instead = send, stop_prompt, who, instead
-        self.admission = Admission(cache, cfg.max_running, whole_life=whole_life)
+        self.admission = Admission(cache, cfg.batch_limit(cache.num_pages),
+                                   whole_life=whole_life)
         self.offloader = make_offloader(cfg, cache, device, log_dir, name)
         off, salt = self.offloader, host_salt(cfg, cache)
         self.host_connector = HostConnector(off, salt) if off else None
@@ -79,9 +81,19 @@ class DecodeScheduler:
                                  if self.host_connector else None)
         self.retraction = Retractor(self.host_connector, self.batch, cfg.spec_k) \
             if not whole_life else None
+        if self.retraction is not None:
+            self.admission.headroom = self.retraction.running_need
+        self.outbox: list[tuple[str, list[int], bool]] = []
+        """This step's new tokens (rid, ids, first): one ``StepTokens`` per step."""
         self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
         self.aborted_in: Counter[str] = Counter()
         """Aborted requests by the stage (``ReqState``, lower case) they were in."""
+
+    @property
+    def plain_steps(self) -> bool:
+        """Each step is one forward pass with one token per request (no speculation): a
+        colocated worker may fold prefill chunks into it."""
+        return self.step_fn is greedy_step
 
     def find(self, rid: str) -> Request | None:
         """The live request ``rid`` (queued, admitted, decoding or retracted)."""
@@ -137,15 +149,15 @@ class DecodeScheduler:
         elif self.host_connector is not None:
             self.host_connector.track(req)
 
-    def step(self) -> bool:
-        """Retract under pressure, then one batch step: stream new tokens, finish who is
-        done. True when there was work."""
+    def step(self, step_fn: StepFn | None = None) -> bool:
+        """Retract under pressure, then one batch step (by ``step_fn``, default the
+        batch's): stream new tokens, finish who is done. True when there was work."""
         if self.retraction is not None and len(self.batch):
             self._relieve()
         if not len(self.batch):
             return False
         try:
-            emitted, finished = self.batch.step()
+            emitted, finished = self.batch.step(step_fn)
         except Exception as exc:  # contained: the batch's requests fail, the worker lives
             logger.exception("%s: a decode step failed", self.name)
             for req in list(self.batch.running.values()):
@@ -154,10 +166,21 @@ class DecodeScheduler:
             return True
         for req, toks in emitted:
             if toks:
-                self.send(Tokens(req.rid, toks))
+                self.outbox.append((req.rid, toks, False))
+        self.flush()
         for req in finished:
             self._finish(req)
         return True
+
+    def emit_first(self, req: Request) -> None:
+        """``req``'s first token goes out with this step's tokens (``flush``)."""
+        self.outbox.append((req.rid, [req.output[0]], True))
+
+    def flush(self) -> None:
+        """Send the step's tokens, every request's in one message."""
+        if self.outbox:
+            self.send(StepTokens.of(self.outbox))
+            self.outbox = []
 
     def _finish(self, req: Request) -> None:
         reason = req.finish_reason
@@ -237,6 +260,7 @@ class DecodeScheduler:
         self.admission.forget(req)
         self._move(req, ReqState.FINISHED if ok else ReqState.ABORTED
                    if reason == "aborted" else ReqState.FAILED)
+        self.flush()  # its last tokens before its Done
         self.send(Done(req.rid, reason, n=len(req.output) if ok else 0, error=detail,
                        cached_tokens=req.num_cached))
 

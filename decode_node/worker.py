@@ -51,11 +51,11 @@ class DecodeWorker(WorkerBase):
 
     def build(self) -> None:
         cfg, name = self.config, self.name
-        self.model, cache, self.runner = self.make_cache(cfg.decode_pages, cfg.shared_memory)
+        self.model, cache, self.runner = self.make_cache(cfg.shared_memory)
         self.scheduler = DecodeScheduler(
             name, cfg, cache, self.runner, self.send, self._stop_receiving,
             device=self.device, log_dir=self.log_dir, who=f"decode {name}",
-            instead="receiving", whole_life=not cfg.overcommit)
+            instead="receiving", whole_life=not cfg.preempts)
         # A handshake with a new prefill never holds up this loop (begin_connect): its
         # requests wait, rows held, until it answers. One silent for a lease is dead.
         self.receiver = KvReceiver(self.transport_cache(), kv_config(
@@ -74,7 +74,8 @@ class DecodeWorker(WorkerBase):
             prompt = unpack_ids(msg.prompt, "prompt").tolist()
             if not prompt or self.scheduler.find(rid) is not None:
                 raise BadRequest(f"{rid}: empty prompt or rid already in flight")
-            if len(prompt) + params.max_new_tokens > self.config.pool_tokens("decode"):
+            if len(prompt) + params.max_new_tokens > (self.cache.num_pages - 1) * \
+                    self.cache.page_size:
                 raise BadRequest(f"{rid}: needs {len(prompt) + params.max_new_tokens} "
                                  "tokens, more than this decode's pool")
         except (BadRequest, ValueError) as exc:

@@ -72,14 +72,12 @@ class PrefillEngine:
                 draft KV (which the decode needs only for its first speculative step).
                 The rows are not committed yet; an exception fails the pass.
         """
-        batch = self._schedule()
-        self.batch = [r for r, _ in batch]
+        batch = self.plan(self.max_tokens)
         if not batch:
             return [], []
-        items = [BatchItem(r.kv, r.prompt[r.num_computed:r.num_computed + n], r.num_computed)
-                 for r, n in batch]
+        items = self.items(batch)
         logits = self.runner.forward(items)
-        finished = [(i, req) for i, (req, n) in enumerate(batch) if req.prompt_remaining == n]
+        finished = self.finishing(batch)
         if finished:
             rows = logits[[i for i, _ in finished]]
             tokens = sample(rows, [r.params for _, r in finished],
@@ -90,16 +88,14 @@ class PrefillEngine:
                 on_sampled([r for _, r in finished])
         if self.with_draft:
             self.runner.forward(items, draft=True)
-        for req, n in batch:
-            self.cache.commit(req.kv, n)
-            req.num_computed += n
-            self.num_tokens_computed += n
-        for _, req in finished:
-            del self.tasks[req.rid]
+        self.commit(batch)
         return [r for r, _ in batch], [r for _, r in finished]
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        budget, batch = self.max_tokens, []
+    # -- the pieces of a pass (a colocated worker folds them into its decode step) -------
+    def plan(self, budget: int) -> list[tuple[Request, int]]:
+        """The next pass's chunks within ``budget`` tokens: (request, tokens), in arrival
+        order, at most ``chunk_size`` each (``batch`` names their requests)."""
+        batch = []
         for req in self.tasks.values():
             if budget <= 0:
                 break
@@ -107,4 +103,27 @@ class PrefillEngine:
             if n > 0:
                 batch.append((req, n))
             budget -= n
+        self.batch = [r for r, _ in batch]
         return batch
+
+    @staticmethod
+    def items(batch: list[tuple[Request, int]]) -> list[BatchItem]:
+        """The forward pass's items of ``plan``'s chunks."""
+        return [BatchItem(r.kv, r.prompt[r.num_computed:r.num_computed + n], r.num_computed)
+                for r, n in batch]
+
+    @staticmethod
+    def finishing(batch: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
+        """(index in ``batch``, request) of the chunks that end their prompt: their last
+        token's logits give the first token."""
+        return [(i, req) for i, (req, n) in enumerate(batch) if req.prompt_remaining == n]
+
+    def commit(self, batch: list[tuple[Request, int]]) -> None:
+        """The pass ran (its first tokens are in ``output``): commit each chunk's KV; the
+        finished requests leave."""
+        for req, n in batch:
+            self.cache.commit(req.kv, n)
+            req.num_computed += n
+            self.num_tokens_computed += n
+            if not req.prompt_remaining:
+                del self.tasks[req.rid]

@@ -34,7 +34,7 @@ from collections import Counter, OrderedDict, deque
 
 from common import trace
 from common.auth import Keys
-from common.control import ControlLink, Load, Prefilled, Req, Tokens, unpack_ids
+from common.control import ControlLink, Load, Prefilled, Req, StepTokens, unpack_ids
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
 from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
@@ -77,7 +77,7 @@ class PrefillWorker(WorkerBase):
 
     def build(self) -> None:
         cfg, name = self.config, self.name
-        self.model, cache, self.runner = self.make_cache(cfg.prefill_pages)
+        self.model, cache, self.runner = self.make_cache()
         self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
                                     with_draft=cfg.with_draft)
         self.offloader = make_offloader(cfg, cache, self.device, self.log_dir, name)
@@ -161,7 +161,7 @@ class PrefillWorker(WorkerBase):
         KV; the router relays whichever comes first)."""
         for req in finished:
             trace.mark("prefill.sampled", req.rid)
-            self.send(Tokens(req.rid, [req.output[0]], first=True))
+        self.send(StepTokens.of([(r.rid, [r.output[0]], True) for r in finished]))
 
     def _admit(self) -> bool:
         """Open rows for announced requests, in arrival order, while the pool has room."""

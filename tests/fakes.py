@@ -7,7 +7,15 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from common.control import CODEC, ControlHub, ControlLink, Malformed, Message
+from common.control import (
+    CODEC,
+    ControlHub,
+    ControlLink,
+    Malformed,
+    Message,
+    StepTokens,
+    Tokens,
+)
 
 
 def _wire(msg: Message) -> Message:
@@ -32,6 +40,15 @@ class FakeLink(ControlLink):
 
     def close(self) -> None:
         self.closed = True
+
+    def tokens(self, take: bool = False) -> list[Tokens]:
+        """Every request's tokens sent so far, one ``Tokens`` per request per message, in
+        order (a ``StepTokens`` carries a step's tokens of many); ``take`` removes them."""
+        out = [t for m in self.sent if isinstance(m, StepTokens | Tokens)
+               for t in (m.items() if isinstance(m, StepTokens) else [m])]
+        if take:
+            self.sent = [m for m in self.sent if not isinstance(m, StepTokens | Tokens)]
+        return out
 
     def take(self, kind: type) -> list:
         """Remove and return the sent messages of type ``kind``, in order."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from common.control import ControlLink, Tokens
+from common.control import ControlLink
 from common.model import ModelRunner, get_config
 
 F64 = get_config("tiny", dtype="float64")
@@ -27,6 +27,5 @@ class DraftWatchingRunner(ModelRunner):
 
     def forward(self, items, draft: bool = False):
         if draft:
-            self.heard_at_draft.append([m.rid for m in self.link.sent
-                                        if isinstance(m, Tokens) and m.first])
+            self.heard_at_draft.append([m.rid for m in self.link.tokens() if m.first])
         return super().forward(items, draft=draft)

@@ -5,7 +5,7 @@ reference's tokens; the free log replays clean."""
 from __future__ import annotations
 
 from common.config import ServeConfig
-from common.control import Done, Req, Tokens, pack_ids
+from common.control import Done, Req, pack_ids
 from common.freelog import FreeLogReader, replay_file
 from common.model import generate_greedy
 from deploy.launch.colocated import ColocatedWorker
@@ -33,7 +33,7 @@ def test_the_first_token_goes_out_before_the_draft_pass_and_only_once(tmp_path, 
         while not any(isinstance(m, Done) for m in link.sent):
             worker.tick()
         assert runner.heard_at_draft[:2] == [[], ["a"]]   # chunks 0-8, then 8-12
-        streamed = link.take(Tokens)
+        streamed = link.tokens(take=True)
         assert [m.first for m in streamed].count(True) == 1 and streamed[0].first
         ids = [t for m in streamed for t in m.ids]
         assert ids == generate_greedy(model, [tokens], 6)[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import ServeConfig
-from common.control import Done, Message, Tokens
+from common.control import Done, Message, StepTokens, Tokens
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import BatchItem, ModelRunner, generate_greedy
@@ -71,8 +71,9 @@ class Decode:
     def outputs(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for m in self.sent:
-            if isinstance(m, Tokens):
-                out.setdefault(m.rid, []).extend(m.ids)
+            for t in m.items() if isinstance(m, StepTokens) else [m]:
+                if isinstance(t, Tokens):
+                    out.setdefault(t.rid, []).extend(t.ids)
         return out
 
     def close_and_frees(self) -> list[dict]:

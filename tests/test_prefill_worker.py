@@ -23,7 +23,6 @@ from common.control import (
     Req,
     Shutdown,
     Stats,
-    Tokens,
     pack_ids,
 )
 from common.freelog import FreeLogReader, replay_file
@@ -265,7 +264,7 @@ def test_the_first_token_goes_to_the_router_before_the_draft_pass(tmp_path, mode
         worker.dispatch(_req("a", tokens))
         worker.tick()                              # positions 0-8: no first token yet
         worker.tick()                              # 8-12: the last chunk
-        (first,) = link.take(Tokens)
+        (first,) = link.tokens(take=True)
         assert first.ids == generate_greedy(model, [tokens], 1)[0][:1]
         assert runner.heard_at_draft == [[], ["a"]]
         assert worker.reqs["a"].state == ReqState.TRANSFERRING

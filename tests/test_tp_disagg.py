@@ -187,7 +187,10 @@ def _wait_gone(cluster: Cluster, name: str) -> None:
     ids=["prefill-rank", "prefill-rank0", "decode-rank"])
 def test_a_killed_rank_fails_its_groups_requests_and_the_deployment_serves_on(
         tmp_path, reference, victim, ptp, dtp, num_prefill, num_decode):
-    cfg = replace(CFG, prefill_tp=ptp, decode_tp=dtp)
+    # whole-life admission keeps later requests queued at the decode, so some still wait
+    # for the prefill when the first one finishes (on demand, the decode admits all ten
+    # at once and the prefills are done with them by then)
+    cfg = replace(CFG, prefill_tp=ptp, decode_tp=dtp, overcommit=False)
     cluster = Cluster(cfg, "disagg", num_prefill, num_decode, log_dir=str(tmp_path))
     group = victim.split(".")[0]
     try:

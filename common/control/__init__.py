@@ -28,6 +28,7 @@ from common.control.messages import (
     Stats,
     Status,
     StatusReport,
+    StepTokens,
     Stop,
     Submit,
     Tokens,
@@ -37,5 +38,5 @@ __all__ = ["Abort", "Bye", "CODEC", "Codec", "ControlHub", "ControlLink", "Decod
            "Error", "Hub", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
            "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping", "Pong", "Prefilled",
            "Ready", "Register", "Registered", "Req", "Scalar", "Shutdown", "Stats", "Status",
-           "StatusReport", "Stop", "Submit", "Tokens", "pack_ids", "poll_for", "unpack_ids",
-           "wait_any"]
+           "StatusReport", "StepTokens", "Stop", "Submit", "Tokens", "pack_ids",
+           "poll_for", "unpack_ids", "wait_any"]

@@ -18,7 +18,8 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``MetricsReport`` | worker -> router | every ``heartbeat_s`` and as it closes: its metrics |
 | ``Submit`` | client -> router | a new request |
 | ``Req`` | router -> worker | a request for this worker (decode, prefill or colocated) |
-| ``Tokens`` | worker -> router -> client | tokens as they come (the router's first: admitted) |
+| ``StepTokens`` | worker -> router | every request's new tokens of one step |
+| ``Tokens`` | (worker ->) router -> client | tokens as they come (the router's first: admitted) |
 | ``Done`` | worker -> router -> client | a request ended (router adds prefill figures) |
 | ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
@@ -36,7 +37,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
-from common.control.codec import Codec
+from common.control.codec import Codec, pack_ids, unpack_ids
 
 Scalar = int | float | str | bool
 """A value of a free-form map (config, params, stats)."""
@@ -124,6 +125,50 @@ class Prefilled:
 
 
 # -- worker -> router -> client -----------------------------------------------------------
+@dataclass(frozen=True)
+class StepTokens:
+    """Worker -> router: every request's new tokens from one step, in one message however
+    many requests the step ran (a message per request per step cost the worker a
+    send and the router a receive each). The router relays each request's share to its
+    client as ``Tokens`` (``items``)."""
+
+    rids: list[str]
+    counts: bytes
+    """Tokens of each rid, little-endian int32 (``pack_ids``), each >= 1."""
+    ids: bytes
+    """The rids' tokens end to end, little-endian int32."""
+    first: int = 0
+    """The first ``first`` rids' tokens begin with their first token (sampled by a
+    prefill pass of the same step)."""
+
+    def __post_init__(self) -> None:
+        counts = unpack_ids(self.counts, "counts")
+        if len(counts) != len(self.rids) or not 0 <= self.first <= len(self.rids):
+            raise ValueError(f"{len(counts)} counts and first={self.first} for "
+                             f"{len(self.rids)} rids")
+        if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != len(self.ids) // 4
+                            or len(self.ids) % 4):
+            raise ValueError(f"counts add up to {int(counts.sum())}, ids hold "
+                             f"{len(self.ids) / 4:g}; every count must be >= 1")
+
+    @classmethod
+    def of(cls, items: list[tuple[str, list[int], bool]]) -> StepTokens:
+        """From ``(rid, ids, first)`` items, those with a first token leading."""
+        items = sorted(items, key=lambda it: not it[2])  # stable: firsts first
+        return cls([rid for rid, _, _ in items], pack_ids([len(ids) for _, ids, _ in items]),
+                   pack_ids([t for _, ids, _ in items for t in ids]),
+                   sum(1 for *_, first in items if first))
+
+    def items(self) -> list[Tokens]:
+        """One ``Tokens`` per rid, in order."""
+        ids = unpack_ids(self.ids).tolist()
+        out, at = [], 0
+        for i, (rid, n) in enumerate(zip(self.rids, unpack_ids(self.counts).tolist())):
+            out.append(Tokens(rid, ids[at:at + n], first=i < self.first))
+            at += n
+        return out
+
+
 @dataclass(frozen=True)
 class Tokens:
     """New output tokens of ``rid``, in order."""
@@ -352,7 +397,8 @@ class Malformed:
     rid: str = ""
 
 
-Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | Tokens | Done
+Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | StepTokens | Tokens
+           | Done
            | Registered | Req | Submit | Status | StatusReport | MetricsQuery
            | MetricsSnapshot | Bye | Abort | Stop | Error | Ping | Pong | Shutdown)
 CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

@@ -42,7 +42,7 @@ def make_offloader(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str |
         return None
     lockstep = getattr(cache, "lockstep", None)  # rank 0 of a TP group (LeaderKvCache)
     tier = HostTier if lockstep is None else partial(LeaderHostTier, lockstep=lockstep)
-    host = tier(cfg.host_pages, cache.page_size, cache.layout, device=device,
+    host = tier(cfg.host_pool_pages(), cache.page_size, cache.layout, device=device,
                 log_path=freelog_file(log_dir, f"{name}.host"), node=name)
     engine = _SlowCopyEngine(device, cfg.debug_copy_delay_s) if cfg.debug_copy_delay_s \
         else CopyEngine(device)

@@ -47,6 +47,7 @@ from common.control import (
     Req,
     Shutdown,
     Stats,
+    StepTokens,
     Stop,
     wait_any,
 )
@@ -59,6 +60,7 @@ from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp import TpLeader, TpSpec, check_draft_split, leader_cache
 from common.node.worker_metrics import WorkerMetrics
 from common.parallel import GroupLost
+from common.sizing import device_pool_pages, torch_threads
 
 logger = logging.getLogger(__name__)
 _FAREWELL_S = 1.0
@@ -163,15 +165,18 @@ class WorkerBase(ABC):
             return config
         return ServeConfig.from_dict({**config.to_dict(), **self.local_models})
 
-    def make_cache(self, num_pages: int, shared_memory: bool = False
+    def make_cache(self, shared_memory: bool = False, num_pages: int | None = None
                    ) -> tuple[Model, KvCache, ModelRunner]:
         """Model (and draft checkpoint), pool (recording to ``<log_dir>/<name>.freelog``)
-        and runner.
+        and runner. The pool has ``num_pages``, by default as many as the role's memory
+        budget holds on this worker's device (``common.sizing``).
 
         ``shared_memory`` puts a CPU pool in named shared memory (peers on this host copy
         into it directly); ignored for device pools."""
         cfg = self.config
         check_draft_split(cfg, self.role)
+        if num_pages is None:
+            num_pages = device_pool_pages(cfg, self.role, self.device)
         if self.tp_spec is not None or cfg.role_tp(self.role) > 1:
             return self._make_tp_cache(num_pages, shared_memory)
         model = Model(cfg.model_config(), device=self.device)
@@ -368,7 +373,8 @@ class WorkerBase(ABC):
         self.counting.on_send(msg, self.cache)
         self.link.send(msg)
         if trace.enabled() and getattr(msg, "first", False):
-            trace.mark(f"{self.role}.first_out", msg.rid)
+            for rid in msg.rids[:msg.first] if isinstance(msg, StepTokens) else [msg.rid]:
+                trace.mark(f"{self.role}.first_out", rid)
 
     def _report(self, load: Load | None, final: bool = False) -> None:
         """This process's metrics to the router (every heartbeat, and last at close)."""
@@ -470,5 +476,6 @@ def _free_log_stats() -> dict:
 
 
 def setup_process(threads: int) -> None:
-    """Per-process settings of a worker: torch threads, logging."""
-    torch.set_num_threads(max(1, threads))
+    """Per-process settings of a worker: torch threads (0: one per core of its CPU
+    affinity, ``common.sizing.torch_threads``)."""
+    torch.set_num_threads(torch_threads(threads))

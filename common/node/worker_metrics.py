@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from common.config import ServeConfig
-from common.control import Load, Message, MetricsReport, Req, Tokens
+from common.control import Load, Message, MetricsReport, Req, StepTokens, Tokens
 from common.kv import KvCache
 from common.metrics import NodeMetrics, WireError, from_wire, loads, merge, pack
 
@@ -45,8 +45,8 @@ class WorkerMetrics:
             self._prompt.inc(len(msg.prompt) // 4)   # int32 ids
 
     def on_send(self, msg: Message, cache: KvCache | None) -> None:
-        if isinstance(msg, Tokens) and self._generated is not None:
-            self._generated.inc(len(msg.ids))
+        if isinstance(msg, Tokens | StepTokens) and self._generated is not None:
+            self._generated.inc(len(msg.ids) // (4 if isinstance(msg, StepTokens) else 1))
 
     def on_transfer(self, direction: str, pages: int, nbytes: int, seconds: float,
                     path: str) -> None:

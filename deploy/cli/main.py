@@ -298,7 +298,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="unique worker name (default <role>-<hostname>)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     p.add_argument("--log-dir", metavar="DIR", help="write the free log <name>.freelog here")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default 0: one per core of this process's CPU "
+                        "affinity, e.g. taskset -c 0-3 pdkv decode ...)")
     p.add_argument("--model", metavar="DIR",
                    help="this host's copy of the deployment's checkpoint directory (default: "
                         "the router's model_path); the KV handshake refuses peers whose "

@@ -20,10 +20,20 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="override the model's dtype (default: the checkpoint's own; float64: "
                         "exact comparisons on CPU)")
     g.add_argument("--page-size", type=int, help="slots per KV page (default 16)")
-    g.add_argument("--prefill-pages", type=int, help="pages per prefill pool (default 2048)")
-    g.add_argument("--decode-pages", type=int, help="pages per decode pool (default 4096)")
+    g.add_argument("--prefill-pages", type=int,
+                   help="pages per prefill pool (default 0: from --kv-memory-mib on CPU, "
+                        "--gpu-memory-utilization on CUDA)")
+    g.add_argument("--decode-pages", type=int,
+                   help="pages per decode (or colocated) pool (default 0: from the budget)")
+    g.add_argument("--kv-memory-mib", type=int, metavar="MIB",
+                   help="CPU: MiB of each worker's KV pool (default 1024)")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="CUDA: share of the device a worker fills, its weights, activations "
+                        "and KV pool together (default 0.9)")
     g.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (default 256)")
-    g.add_argument("--max-running", type=int, help="decode batch size limit (default 64)")
+    g.add_argument("--max-running", type=int,
+                   help="requests a worker admits at once (default 0: one per usable page "
+                        "of its pool, at most 256)")
     g.add_argument("--transport", choices=["ipc", "tcp"],
                    help="addresses on one machine: ipc (default) or tcp on 127.0.0.1")
     g.add_argument("--kv-transport", choices=["zmq", "nixl", "auto"],
@@ -73,10 +83,13 @@ def add_spec_host_flags(p: argparse.ArgumentParser) -> None:
                    help="offload committed KV to a host tier and reuse cached prompt "
                         "prefixes on prefill and decode (default on)")
     g.add_argument("--host-pages", type=int, metavar="N",
-                   help="pages of each worker's host tier (default 4096)")
-    g.add_argument("--overcommit", action="store_true", default=None,
-                   help="decode admits on prompt pages alone and retracts the youngest "
-                        "request to the host tier when the pool runs out (needs --offload)")
+                   help="pages of each worker's host tier (default 0: --host-memory-mib)")
+    g.add_argument("--host-memory-mib", type=int, metavar="MIB",
+                   help="MiB of each worker's host tier (default 1024)")
+    g.add_argument("--overcommit", action=argparse.BooleanOptionalAction, default=None,
+                   help="allocate on demand: admit on the prompt's pages and retract the "
+                        "youngest request to the host tier when the pool runs out (default "
+                        "on; needs --offload, else whole-life reservation)")
     g.add_argument("--prefix-load-timeout-s", type=float, metavar="S",
                    help="longest wait for a prefix load from the host tier; past it the "
                         "request is served without the cached prefix (default 2.0)")
@@ -118,7 +131,9 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", metavar="DIR",
                    help="keep free logs (<worker>.freelog) and process logs (<name>.log) "
                         "here (default: a temporary directory, removed when all is clean)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per worker (default 0: one per core the worker may "
+                        "run on; CPU workers then share this host's cores out between them)")
     from deploy.launch.cluster.commands import add_cluster_flags
 
     add_cluster_flags(p)

@@ -57,11 +57,13 @@ def run_router(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """``pdkv prefill``, ``pdkv decode``, ``pdkv colocated``."""
+    from common.sizing import passive_omp_waits
+    passive_omp_waits()  # before anything loads torch
     _setup(args)
     from common.auth import InsecureBind, KeysError
     from common.node import FreeLogFailed, RouterLost, setup_process
     from common.node.tp import TpSpec, run_follower
-    setup_process(getattr(args, "threads", 1))  # torch threads: only workers import torch
+    setup_process(getattr(args, "threads", 0))  # torch threads: only workers import torch
     from deploy.launch.run import check_devices
     check_devices([args.device])  # before anything starts: a one-line error, status 2
     name = args.name or f"{args.command}-{socket.gethostname()}"

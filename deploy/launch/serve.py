@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -131,6 +132,8 @@ def serve_main(args: argparse.Namespace) -> int:
         if not args.router_process:
             hosted = HostedRouter(cluster.router_addr, cfg, keys)
         cluster.start()
+        if cluster.router_cores:  # the front door (and router) off the decodes' cores
+            os.sched_setaffinity(0, cluster.router_cores)
         if hosted is not None:
             asyncio.run(hosted.wait_ready(cluster.worker_names(), cfg.ready_timeout_s,
                                           cluster.check))

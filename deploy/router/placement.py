@@ -107,5 +107,5 @@ def admits_at_once(decode: WorkerInfo, row_len: int, config: ServeConfig) -> boo
     Otherwise the prefill waits: preallocation at the decode is the backpressure."""
     rounding = config.page_size * (decode.routed + 1)
     return (decode.assigned + row_len + rounding <= decode.pool_tokens
-            and decode.routed < config.max_running)
+            and decode.routed < config.batch_limit(decode.pool_tokens // config.page_size + 1))
 

@@ -27,6 +27,7 @@ from common.control import (
     Shutdown,
     Stats,
     Status,
+    StepTokens,
     Submit,
     Tokens,
 )
@@ -39,6 +40,7 @@ _CLIENT = ("client", "operator")
 _READER = (*_CLIENT, "probe")
 MAY_SEND: dict[type, tuple[str, ...]] = {
     Register: _WORKER, Ready: _WORKER, Load: _WORKER, Stats: _WORKER, Tokens: _WORKER,
+    StepTokens: _WORKER,
     Done: _WORKER, Prefilled: _WORKER, Error: _WORKER, MetricsReport: _WORKER,
     Submit: _CLIENT, Abort: _CLIENT, Status: _READER, Ping: _READER, MetricsQuery: _CLIENT,
     Shutdown: ("operator",),

@@ -65,6 +65,7 @@ from common.control import (
     Stats,
     Status,
     StatusReport,
+    StepTokens,
     Stop,
     Submit,
     Tokens,
@@ -85,7 +86,7 @@ _ENCODING_POLL_S = 0.002
 """The loop's wait while texts are being encoded: a finished one is routed this soon."""
 _FAREWELL_S = 1.0
 """How long the Bye to whoever asked for shutdown may take to leave before the socket closes."""
-_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, Tokens, Done, Prefilled)
+_WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, StepTokens, Tokens, Done, Prefilled)
 """Accepted only from a peer that registered as a worker."""
 
 
@@ -130,6 +131,7 @@ class Router:
         self._handlers: dict[type, Callable[[bytes, Message], None]] = {
             Register: self._on_register, Ready: self._on_ready, Load: self._on_load,
             Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
+            StepTokens: self._on_step_tokens,
             Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
             Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
             Error: self._on_error, Malformed: self._on_malformed,
@@ -320,6 +322,11 @@ class Router:
                          f"{self.by_peer.get(peer)!r} as its {role}")
             return None
         return route
+
+    def _on_step_tokens(self, peer: bytes, msg: StepTokens) -> None:
+        """One step's tokens of many requests: each request's share as its own."""
+        for tokens in msg.items():
+            self._on_tokens(peer, tokens)
 
     def _on_tokens(self, peer: bytes, msg: Tokens) -> None:
         role = self._tokens_role(peer, msg)

@@ -168,11 +168,11 @@ class HostMirror:
 
 def follower_host(cfg: ServeConfig, cache: KvCache, device: str, log_dir: str | None,
                   name: str, node: str) -> HostMirror | None:
-    """A tensor-parallel follower's host tier (``cfg.host_pages`` of its heads, logged to
+    """A tensor-parallel follower's host tier (``cfg.host_pool_pages()`` of its heads, logged to
     ``<log_dir>/<name>.host.freelog``), driven by rank 0's ops; None when ``cfg.offload``
     is off."""
     if not cfg.offload:
         return None
-    host = HostTier(cfg.host_pages, cache.page_size, cache.layout, device=device,
+    host = HostTier(cfg.host_pool_pages(), cache.page_size, cache.layout, device=device,
                     log_path=freelog_file(log_dir, f"{name}.host"), node=node)
     return HostMirror(host, cache)

@@ -66,7 +66,7 @@ class RayCluster(Cluster):
     """
 
     def __init__(self, config: ServeConfig, mode: str = "disagg", num_prefill: int = 1,
-                 num_decode: int = 1, log_dir: str | None = None, threads: int = 1, *,
+                 num_decode: int = 1, log_dir: str | None = None, threads: int = 0, *,
                  ray_address: str = "", placement: str = "spread", gpus: bool | None = None,
                  max_restarts: int = 3, frontend: list[str] | None = None,
                  frontend_env: dict[str, str] | None = None,
