@@ -83,12 +83,12 @@ class DecodeWorker(WorkerBase):
             return
         self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
                                        prefill=msg.prefill, prefill_addr=msg.prefill_addr,
-                                       cap=msg.cap))
+                                       cap=msg.cap, num_prior=msg.prior))
 
-    def on_abort(self, rid: str) -> None:
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
         if req is not None:
-            self.scheduler.end(req, "aborted")
+            self.scheduler.end(req, reason)
 
     def on_stop(self, rid: str) -> None:
         req = self.scheduler.find(rid)

@@ -135,6 +135,12 @@ class KvCache:
             kv = self._records[owner] = KvRecord(owner=owner, row=row)
             return kv
 
+    def has_row(self, owner: str) -> bool:
+        """``owner`` holds an open row (a finished request's row stays open until its
+        host copies end; a new row for the same owner must wait for it)."""
+        with self._lock:
+            return owner in self._records
+
     def extend(self, kv: KvRecord, num_tokens: int, pages: np.ndarray | None = None) -> None:
         """Give ``kv`` slots for positions ``[allocated_len, allocated_len + num_tokens)``.
 

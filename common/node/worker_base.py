@@ -276,11 +276,11 @@ class WorkerBase(ABC):
         elif isinstance(msg, Req):
             trace.mark(f"{self.role}.req_in", msg.rid)
             self.counting.on_req(msg)
-            self.on_req(msg)
+            self._contained(msg.rid, self.on_req, msg)
         elif isinstance(msg, Abort):
-            self.on_abort(msg.rid)
+            self._contained(msg.rid, self.on_abort, msg.rid, msg.reason or "aborted")
         elif isinstance(msg, Stop):
-            self.on_stop(msg.rid)
+            self._contained(msg.rid, self.on_stop, msg.rid)
         elif isinstance(msg, Shutdown):
             logger.info("%s: shutdown requested", self.name)
             self.stopping = True
@@ -293,6 +293,17 @@ class WorkerBase(ABC):
             self.link.errors["unexpected"] += 1
             self.link.send(Error(getattr(msg, "rid", ""), f"{self.name}: a {self.role} "
                                  f"worker does not take {type(msg).__name__}", "unexpected"))
+
+    def _contained(self, rid: str, handler, *args) -> None:
+        """Run one request's handler; whatever it raises fails that request alone (the
+        router hears ``Error`` and ends it), never the worker."""
+        try:
+            with stop_signals.held():
+                handler(*args)
+        except Exception as exc:
+            logger.exception("%s: %s: handling %s failed", self.name, rid, handler.__name__)
+            self.link.send(Error(rid, f"{self.name} could not serve {rid!r} "
+                                 f"({type(exc).__name__}: {exc}); retry it", "refused"))
 
     # -- recovery ------------------------------------------------------------------------
     def _rejoin(self, lost: RouterLost) -> None:
@@ -400,8 +411,10 @@ class WorkerBase(ABC):
         """A request routed to this worker."""
 
     @abstractmethod
-    def on_abort(self, rid: str) -> None:
-        """The router aborts ``rid`` (client abort, or its other worker ended it)."""
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
+        """The router aborts ``rid`` (client abort, or its other worker ended it:
+        ``aborted``) or moved it to another worker (``migrated``): free it with
+        ``reason``."""
 
     def on_stop(self, rid: str) -> None:
         """The router's text route ended ``rid``'s output (a stop string): a worker that

@@ -53,10 +53,10 @@ class ColocatedWorker(WorkerBase):
         self._computed: list[Request] = []
         watch_host(self.metrics, self.scheduler.offloader)
 
-    def on_abort(self, rid: str) -> None:
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
         if req is not None:
-            self.scheduler.end(req, "aborted")
+            self.scheduler.end(req, reason)
 
     def on_stop(self, rid: str) -> None:
         req = self.scheduler.find(rid)
@@ -73,7 +73,8 @@ class ColocatedWorker(WorkerBase):
         except ValueError as exc:
             self.send(Done(rid, "error", error=str(exc)))
             return
-        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label))
+        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
+                                       num_prior=msg.prior))
 
     def tick(self) -> bool:
         self.scheduler.reap()
