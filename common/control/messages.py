@@ -24,7 +24,7 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
 | ``Stop`` | router -> decode/colocated | a stop string ended the output: finish it (``stop``) |
-| ``Drain`` | operator -> router, worker -> router | stop routing to a worker; it ends what it holds, then exits |
+| ``Drain`` | operator or worker -> router | stop routing to a worker; it ends its work, exits |
 | ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
 | ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
 | ``MetricsQuery`` / ``MetricsSnapshot`` | client -> router -> client | the deployment's metrics |
