@@ -166,6 +166,10 @@ class DecodeWorker(WorkerBase):
     def load(self) -> Load:
         return self.scheduler.load()
 
+    def num_requests(self) -> int:
+        admission = self.scheduler.admission
+        return len(admission.admitted) + len(admission.queue)
+
     def stats(self) -> dict:
         rx = self.receiver.stats
         # KV that landed refused (docs/protocol.md, "Page epochs", "Integrity"): each

@@ -293,6 +293,9 @@ class PrefillWorker(WorkerBase):
                     free_tokens=self.cache.num_free_pages() * self.cache.page_size,
                     queued_tokens=queued)
 
+    def num_requests(self) -> int:
+        return len(self.reqs)
+
     def stats(self) -> dict:
         reuse = self.prefix_reuse
         return {**self.counts, "bytes_sent": int(self.sender.stats["bytes_sent"]),

@@ -11,11 +11,15 @@ from common.config import ServeConfig
 from common.control import (
     Abort,
     Done,
+    Drain,
+    Error,
     Prefilled,
     Ready,
     Register,
     Registered,
     Req,
+    Shutdown,
+    StatusReport,
     Submit,
     Tokens,
     pack_ids,
@@ -58,6 +62,13 @@ def _die(r: Router, name: str) -> None:
     r.hub.gone.add(name.encode())
     r._send_worker(name, Abort("probe"))
     assert r.workers[name].lost
+
+
+def _tick(r: Router, now: float) -> None:
+    """The router's timed work at ``now``, every worker having just been heard from."""
+    for w in r.workers.values():
+        w.last_seen = now
+    r.tick(now)
 
 
 def _moved(r: Router, decode: str, prefill: str) -> Req:
@@ -168,3 +179,38 @@ def test_a_client_abort_after_a_move_reaches_the_new_attempts_workers(router):
     router.dispatch(b"p1", Prefilled(req.rid, "aborted"))
     (done,) = router.hub.take(CLIENT, Done)
     assert done.reason == "aborted" and done.migrations == 1
+
+
+def test_a_draining_worker_gets_nothing_new_finishes_then_hands_over_then_shuts_down(router):
+    router.config = CFG.with_overrides(drain_timeout_s=5.0)
+    first = _submit(router)
+    router.dispatch(b"d0", Tokens(first.rid, [7], first=True))
+    router.dispatch(CLIENT, Drain("d0", nonce=4))            # no keys: anyone may ask
+    (report,) = router.hub.take(CLIENT, StatusReport)
+    assert report.nonce == 4 and report.workers["d0"]["draining"]
+    router.dispatch(CLIENT, Submit("b", pack_ids(PROMPT), {"max_new_tokens": 2}))
+    assert router.hub.take(b"d1", Req)[0].label == "b"       # nothing new for d0
+    assert router.hub.take(b"p1", Req)[0].label == "b"
+    t0 = router.workers["d0"].draining
+    _tick(router, t0 + 1.0)
+    assert router.hub.take(b"d0", Shutdown) == [] and router.hub.take(b"d0", Abort) == []
+    _tick(router, t0 + 5.5)                                   # past drain_timeout_s
+    assert router.hub.take(b"d0", Abort) == [Abort(first.rid, "migrated")]
+    assert router.hub.take(b"p0", Abort) == [Abort(first.rid, "migrated")]
+    req = _moved(router, "d1", "p0")          # p0's share of the last attempt given back
+    assert req.prior == 1 and unpack_ids(req.prompt).tolist() == PROMPT + [7]
+    _tick(router, t0 + 5.6)                                   # it holds nothing now
+    assert router.hub.take(b"d0", Shutdown) == [Shutdown()]
+    assert router.workers["d0"].lost                          # its name is free again
+    router.dispatch(b"d0-new", Register("decode", "d0", 101))
+    assert isinstance(router.hub.take(b"d0-new")[0], Registered)
+
+
+def test_a_worker_drains_itself_and_an_idle_one_shuts_down_at_once(router):
+    router.dispatch(b"p1", Drain("p1"))                       # its SIGTERM
+    assert router.hub.take(b"p1", StatusReport) == []         # a worker gets no report
+    _tick(router, router.workers["p1"].draining)
+    assert router.hub.take(b"p1", Shutdown) == [Shutdown()]
+    router.dispatch(CLIENT, Drain("nobody"))
+    (err,) = router.hub.take(CLIENT, Error)
+    assert err.code == "unknown_worker" and "no live worker 'nobody'" in err.error

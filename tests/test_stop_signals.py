@@ -88,15 +88,22 @@ class Leader(WorkerBase):
         self.cache.close()
 
 
+@pytest.mark.parametrize("drain", [True, False], ids=["drains", "second-sigterm"])
 def test_sigterm_inside_rank_0s_broadcast_stops_after_the_step_and_the_follower_closes_clean(
-        tmp_path, model):
+        tmp_path, model, monkeypatch, drain):
+    if not drain:   # the drain hook already spent: this SIGTERM stops the process
+        monkeypatch.setattr(stop_signals, "drain_with", lambda hook: None)
     group = SignalledGroup(signal_at=2)  # broadcasts: tick 1's, the heartbeat's, tick 2's
     leader = Leader(tmp_path, group)
     leader.start(ServeConfig())
-    with pytest.raises(SystemExit) as stopped:
+    if drain:   # a serving worker drains: holding nothing, it stops after the step
         leader._loop()
+        assert leader.drain_asked and leader.stopping
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            leader._loop()
+        assert stopped.value.code == 128 + signal.SIGTERM
     leader.close()
-    assert stopped.value.code == 128 + signal.SIGTERM
     assert leader.ticks == 2  # the signalled step ran to its end; no step after it
 
     follower = KvCache(64, 4, layout=CFG.kv_layout(True), log_path=tmp_path / "p0.tp1.freelog",
@@ -123,3 +130,18 @@ def test_a_stop_signal_outside_a_step_is_raised_at_once_and_sigint_is_keyboard_i
             os.kill(os.getpid(), signal.SIGTERM)  # a second one: still after the step
             reached.append(True)
     assert reached == [True]
+
+
+def test_the_first_sigterm_of_a_serving_worker_only_asks_it_to_drain():
+    asked = []
+    stop_signals.drain_with(lambda: asked.append(True))
+    try:
+        with stop_signals.held():
+            os.kill(os.getpid(), signal.SIGTERM)    # noted by the hook, nothing raised
+        assert asked == [True]
+        with pytest.raises(SystemExit):             # the second one stops the process
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        assert asked == [True]
+    finally:
+        stop_signals.drain_with(None)

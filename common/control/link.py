@@ -198,14 +198,17 @@ class Hub(ControlHub):
             return False
 
     def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
-        """(peer, message, sender's identity) or None when nothing came in time, or a
-        connection closed meanwhile (``take_disconnects`` says so: the caller's loop
-        finds out at once which peer it was)."""
-        ready = dict(self.poller.poll(int(timeout_s * 1000)))
-        if self.monitor in ready:
-            self._take_events()
-        if self.sock not in ready:
-            return None
+        """(peer, message, sender's identity) or None when nothing came in time
+        (connections that closed meanwhile are counted for ``take_disconnects``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = dict(self.poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self.monitor in ready:
+                self._take_events()
+            if self.sock in ready:
+                break
+            if time.monotonic() >= deadline:
+                return None
         peer, *frames = self.sock.recv_multipart(copy=False)
         who = principal(frames[-1]) if frames else ""
         if len(frames) != 1:

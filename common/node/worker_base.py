@@ -11,6 +11,11 @@ A worker is a function: build, report ready, loop, exit cleanly::
         -> abandon (end every request, keep the pools) -> Register again every
            heartbeat for ``rejoin_s`` -> Registered (same config) -> Ready -> loop
 
+    SIGTERM while serving (a second one, or SIGINT, stops at once):
+        -> holding nothing: close; else Drain to the router, serve on (the router
+           routes nothing new here and moves what is left after ``drain_timeout_s``)
+           -> Shutdown -> close
+
 Constructing a worker touches no network: tests build one over a fake ``ControlLink``
 and call ``start(config)``, ``dispatch(msg)`` and ``tick()`` directly. The loop
 alternates control messages from the router, one ``tick`` of work, and ``Load`` reports
@@ -35,6 +40,7 @@ from common.config import ServeConfig
 from common.control import (
     Abort,
     ControlLink,
+    Drain,
     Error,
     Link,
     Load,
@@ -118,6 +124,10 @@ class WorkerBase(ABC):
         self.stopping = False
         self._last_router = self._next_load = 0.0
         self.paused = ""  # why no new work is admitted (a free log cannot write); "" admits
+        self.drain_asked = False
+        """A SIGTERM came while serving: drain (``_tick_drain``)."""
+        self.draining = 0.0
+        """When this worker began draining; 0: it is not."""
         self.counting = WorkerMetrics(self.role, self.metric_readings)
         self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
@@ -223,18 +233,56 @@ class WorkerBase(ABC):
 
     # -- loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        stop_signals.drain_with(self._ask_drain)
+        try:
+            self._serve_loop()
+        finally:
+            stop_signals.drain_with(None)
+
+    def _serve_loop(self) -> None:
         while not self.stopping:
             try:
                 with stop_signals.held():
                     self.poll_control()
             except RouterLost as exc:
+                if self.draining:   # leaving anyway: nothing to rejoin for
+                    logger.warning("%s: %s while draining; stopping", self.name, exc)
+                    self.stopping = True
+                    break
                 self._rejoin(exc)
                 continue
+            self._tick_drain()
+            if self.stopping:
+                break
             busy = self._tick()
             if not busy:
                 if self.config.debug_integrity and self.cache is not None:
                     self.cache.check_integrity()
                 wait_any([*self.link.sockets(), *self.sockets()], self.idle_wait_s())
+
+    def _ask_drain(self) -> None:
+        """SIGTERM's hook: note it only (it runs inside whatever the loop was doing)."""
+        self.drain_asked = True
+
+    def _tick_drain(self) -> None:
+        """After a SIGTERM: stop at once when holding nothing, else ask the router to
+        drain this worker; give up waiting for its ``Shutdown`` after
+        ``drain_timeout_s`` + ``lease_s``."""
+        now = time.monotonic()
+        if self.drain_asked and not self.draining:
+            self.draining = now
+            if not self.num_requests():
+                logger.info("%s: SIGTERM: holding no request, stopping", self.name)
+                self.stopping = True
+                return
+            logger.warning("%s: SIGTERM: draining (%d requests held); a second SIGTERM "
+                           "stops at once", self.name, self.num_requests())
+            self.link.send(Drain(self.name))
+        elif self.draining and now - self.draining > (self.config.drain_timeout_s
+                                                      + self.config.lease_s):
+            logger.error("%s: drained for %.0f s without the router's shutdown; stopping",
+                         self.name, now - self.draining)
+            self.stopping = True
 
     def _tick(self) -> bool:
         try:
@@ -450,6 +498,11 @@ class WorkerBase(ABC):
     def load(self) -> Load:
         """The load report sent every ``heartbeat_s``."""
         return Load(self.name, running=0, queued=0, free_tokens=0)
+
+    def num_requests(self) -> int:
+        """Requests this worker holds in any stage (a drain waits for them)."""
+        load = self.load()
+        return load.running + load.queued
 
     def stats(self) -> dict:
         """Final counters (``Stats``): names to numbers."""

@@ -188,6 +188,10 @@ class ColocatedWorker(WorkerBase):
     def load(self) -> Load:
         return self.scheduler.load(running=len(self.engine.tasks))
 
+    def num_requests(self) -> int:
+        admission = self.scheduler.admission
+        return len(admission.admitted) + len(admission.queue)
+
     def stats(self) -> dict:
         return self.scheduler.stats({"tokens_computed": self.engine.num_tokens_computed,
                                      "mixed_steps": self.num_mixed_steps})

@@ -47,6 +47,7 @@ from common.control import (
     Bye,
     ControlHub,
     Done,
+    Drain,
     Error,
     Hub,
     Load,
@@ -73,6 +74,7 @@ from common.control import (
 )
 from common.request import BadRequest, SamplingParams
 from deploy.router.door import Admitted, Door
+from deploy.router.drain import Draining
 from deploy.router.errors import Overloaded
 from deploy.router.metrics import RouterMetrics
 from deploy.router.migration import Migrations
@@ -94,7 +96,7 @@ _WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, StepTokens, Tokens, Done,
 """Accepted only from a peer that registered as a worker."""
 
 
-class Router(Migrations):
+class Router(Migrations, Draining):
     """The router's state and message handlers; ``serve`` runs its loop.
 
     Args:
@@ -141,7 +143,8 @@ class Router(Migrations):
             Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
             Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
             Error: self._on_error, Malformed: self._on_malformed,
-            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query}
+            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query,
+            Drain: self._on_drain}
         self.metrics = RouterMetrics(lambda: len(self.routes), lambda: len(self.encoder))
         if metrics_port is not None:
             self.metrics.serve_http(metrics_host, metrics_port)
@@ -519,7 +522,8 @@ class Router(Migrations):
     def _on_status(self, peer: bytes, msg: Status) -> None:
         self.hub.send(peer, StatusReport(
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
-                              "paused": w.paused} for w in self.workers.values()},
+                              "paused": w.paused, "draining": bool(w.draining)}
+                     for w in self.workers.values()},
             in_flight=len(self.routes) + len(self.encoder), config=self.config.to_dict(),
             errors={**self.errors, **({"unauthenticated": self.hub.refused}
                                       if self.hub.refused else {})},
@@ -593,6 +597,7 @@ class Router(Migrations):
         """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
         self._tick_encoded(now)
         self._tick_probes(now)
+        self._tick_drains(now)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_s
             self._probe("unreachable")
