@@ -135,6 +135,8 @@ class DecodeWorker(WorkerBase):
     def _on_event(self, ev) -> None:
         if ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+            if ev.kind == EventKind.PEER_LOST:
+                self.reclaim_segments()
             return
         req = self.scheduler.find(ev.rid) if ev.rid else None
         if req is None or req.kv is None:

@@ -218,6 +218,8 @@ class PrefillWorker(WorkerBase):
             self._free_request(req, ev.reason or "error", ev.detail)
         elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+            if ev.kind == EventKind.PEER_LOST:   # a decode's pool it may have left behind
+                self.reclaim_segments()
 
     def _on_ready(self, rid: str) -> None:
         req = self.reqs.get(rid)

@@ -59,7 +59,7 @@ from common.control import (
 )
 from common.freelog import configure as configure_freelog
 from common.freelog import freelog_file, log_problems
-from common.kv import KvCache
+from common.kv import KvCache, reclaim_orphans, segment_stem
 from common.model import Model, ModelRunner
 from common.node import stop_signals
 from common.node.registration import RouterLost, check_deployment, register
@@ -154,6 +154,7 @@ class WorkerBase(ABC):
         configure_freelog(max_buffer_bytes=config.freelog_max_buffer_kib << 10)
         if config.debug_build_delay_s:  # test aid: a checkpoint that loads slowly
             time.sleep(config.debug_build_delay_s)
+        self.reclaim_segments()   # a killed worker of this deployment may have left some
         self.build()
         self.built = True
         self._last_router = self._next_load = time.monotonic()
@@ -194,7 +195,7 @@ class WorkerBase(ABC):
         draft = Model(dcfg, device=self.device) if dcfg else None
         cache = KvCache(num_pages, cfg.page_size, layout=cfg.kv_layout(), device=self.device,
                         log_path=freelog_file(self.log_dir, self.name), node=self.name,
-                        max_rows=cfg.max_rows,
+                        max_rows=cfg.max_rows, segment=segment_stem(self.deployment, self.name),
                         shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
         self.counting.watch(cfg, cache)
@@ -400,6 +401,14 @@ class WorkerBase(ABC):
         pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
         self.link.send(Ready(self.name, self.kv_address(), pool))
         logger.warning("%s: registered again with the router; serving", self.name)
+
+    def reclaim_segments(self) -> None:
+        """Unlink the shared-memory segments of this deployment's dead workers (at start,
+        and whenever a KV peer is declared lost)."""
+        try:
+            reclaim_orphans(self.deployment)
+        except Exception:  # never worth a worker: the next chance comes soon
+            logger.exception("%s: reclaiming dead workers' shared memory failed", self.name)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

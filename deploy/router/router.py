@@ -72,6 +72,7 @@ from common.control import (
     Tokens,
     pack_ids,
 )
+from common.kv import reclaim_orphans
 from common.request import BadRequest, SamplingParams
 from deploy.router.door import Admitted, Door
 from deploy.router.drain import Draining
@@ -592,6 +593,7 @@ class Router(Migrations, Draining):
         log = logger.info if self.shutdown_by is not None else logger.error
         log("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
         self._rescue_routes(w, why)
+        reclaim_orphans(self.deployment)   # its shared memory, if it died on this host
 
     def tick(self, now: float) -> None:
         """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
