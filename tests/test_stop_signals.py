@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from common.config import ServeConfig
+from common.control import Drain, Shutdown
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import ModelRunner, get_config
@@ -54,13 +55,22 @@ class SignalledGroup(TpGroup):
         return payload
 
 
+class RouterThatShutsDrains(FakeLink):
+    """The router's side of a drain: a worker that holds nothing is told to shut down."""
+
+    def send(self, msg) -> None:
+        super().send(msg)
+        if isinstance(msg, Drain):
+            self.inbox.append(Shutdown())
+
+
 class Leader(WorkerBase):
     """Rank 0's shell: tick 1 opens a row and fills it, tick 2 frees and closes it."""
 
     role = "prefill"
 
     def __init__(self, tmp_path, group: TpGroup) -> None:
-        super().__init__("p0", FakeLink())
+        super().__init__("p0", RouterThatShutsDrains())
         self.tmp_path, self.group, self.ticks = tmp_path, group, 0
 
     def build(self) -> None:
@@ -96,15 +106,17 @@ def test_sigterm_inside_rank_0s_broadcast_stops_after_the_step_and_the_follower_
     group = SignalledGroup(signal_at=2)  # broadcasts: tick 1's, the heartbeat's, tick 2's
     leader = Leader(tmp_path, group)
     leader.start(ServeConfig())
-    if drain:   # a serving worker drains: holding nothing, it stops after the step
+    if drain:   # a serving worker drains: it asks the router and stops at its Shutdown
         leader._loop()
         assert leader.drain_asked and leader.stopping
-    else:
+        assert any(isinstance(m, Drain) for m in leader.link.sent)
+        assert leader.ticks == 3  # the signalled step ran to its end, one more before the
+    else:                         # router's answer was read
         with pytest.raises(SystemExit) as stopped:
             leader._loop()
         assert stopped.value.code == 128 + signal.SIGTERM
+        assert leader.ticks == 2  # the signalled step ran to its end; no step after it
     leader.close()
-    assert leader.ticks == 2  # the signalled step ran to its end; no step after it
 
     follower = KvCache(64, 4, layout=CFG.kv_layout(True), log_path=tmp_path / "p0.tp1.freelog",
                        node="p0/tp1")

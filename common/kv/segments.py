@@ -104,7 +104,8 @@ def _is_our_pool(path: str) -> bool:
 
 
 def _start_time(pid: int) -> str:
-    """Clock ticks after boot at which ``pid`` started ('' when it does not run)."""
+    """Clock ticks after boot at which ``pid`` started ('' when it does not run, or is
+    a zombie: dead, its exit not yet collected by its parent)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read().decode(errors="replace")
@@ -112,7 +113,9 @@ def _start_time(pid: int) -> str:
         return ""
     # the command name (field 2) may hold spaces and parentheses: count after the last ')'
     fields = stat_line[stat_line.rfind(")") + 2:].split()
-    return fields[19] if len(fields) > 19 else ""
+    if len(fields) <= 19 or fields[0] in ("Z", "X"):
+        return ""
+    return fields[19]
 
 
 def _clean(text: str) -> str:

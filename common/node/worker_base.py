@@ -12,9 +12,9 @@ A worker is a function: build, report ready, loop, exit cleanly::
            heartbeat for ``rejoin_s`` -> Registered (same config) -> Ready -> loop
 
     SIGTERM while serving (a second one, or SIGINT, stops at once):
-        -> holding nothing: close; else Drain to the router, serve on (the router
-           routes nothing new here and moves what is left after ``drain_timeout_s``)
-           -> Shutdown -> close
+        -> Drain to the router, serve on (the router routes nothing new here and moves
+           what is left after ``drain_timeout_s``) -> Shutdown -> close; holding
+           nothing, it waits for that Shutdown one heartbeat at most
 
 Constructing a worker touches no network: tests build one over a fake ``ControlLink``
 and call ``start(config)``, ``dispatch(msg)`` and ``tick()`` directly. The loop
@@ -128,6 +128,7 @@ class WorkerBase(ABC):
         """A SIGTERM came while serving: drain (``_tick_drain``)."""
         self.draining = 0.0
         """When this worker began draining; 0: it is not."""
+        self._drain_wait = 0.0
         self.counting = WorkerMetrics(self.role, self.metric_readings)
         self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
@@ -266,23 +267,21 @@ class WorkerBase(ABC):
         self.drain_asked = True
 
     def _tick_drain(self) -> None:
-        """After a SIGTERM: stop at once when holding nothing, else ask the router to
-        drain this worker; give up waiting for its ``Shutdown`` after
-        ``drain_timeout_s`` + ``lease_s``."""
+        """After a SIGTERM: ask the router to drain this worker, and give up waiting for
+        its ``Shutdown`` after ``drain_timeout_s`` + ``lease_s`` (holding nothing, after
+        one heartbeat: a router that is gone must not hold an idle worker up)."""
         now = time.monotonic()
         if self.drain_asked and not self.draining:
+            held = self.num_requests()
             self.draining = now
-            if not self.num_requests():
-                logger.info("%s: SIGTERM: holding no request, stopping", self.name)
-                self.stopping = True
-                return
+            self._drain_wait = (self.config.drain_timeout_s + self.config.lease_s if held
+                                else self.config.heartbeat_s)
             logger.warning("%s: SIGTERM: draining (%d requests held); a second SIGTERM "
-                           "stops at once", self.name, self.num_requests())
+                           "stops at once", self.name, held)
             self.link.send(Drain(self.name))
-        elif self.draining and now - self.draining > (self.config.drain_timeout_s
-                                                      + self.config.lease_s):
-            logger.error("%s: drained for %.0f s without the router's shutdown; stopping",
-                         self.name, now - self.draining)
+        elif self.draining and now - self.draining > self._drain_wait:
+            logger.warning("%s: no shutdown from the router %.1f s into the drain; "
+                           "stopping", self.name, now - self.draining)
             self.stopping = True
 
     def _tick(self) -> bool:

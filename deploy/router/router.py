@@ -137,6 +137,8 @@ class Router(Migrations, Draining):
         self._next_ping = 0.0
         self._probe_until = self._next_probe = 0.0
         self._probe_gap = 0.0
+        self._reclaims: list[float] = []
+        """When to look for dead workers' shared memory again."""
         self._handlers: dict[type, Callable[[bytes, Message], None]] = {
             Register: self._on_register, Ready: self._on_ready, Load: self._on_load,
             Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
@@ -593,13 +595,19 @@ class Router(Migrations, Draining):
         log = logger.info if self.shutdown_by is not None else logger.error
         log("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
         self._rescue_routes(w, why)
-        reclaim_orphans(self.deployment)   # its shared memory, if it died on this host
+        # its shared memory, if it died on this host: now, and again once it surely
+        # finished dying (its connections close before the process is gone)
+        reclaim_orphans(self.deployment)
+        self._reclaims += [time.monotonic() + 1.0, time.monotonic() + self.config.lease_s]
 
     def tick(self, now: float) -> None:
         """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
         self._tick_encoded(now)
         self._tick_probes(now)
         self._tick_drains(now)
+        if self._reclaims and now >= min(self._reclaims):
+            self._reclaims = [t for t in self._reclaims if t > now]
+            reclaim_orphans(self.deployment)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_s
             self._probe("unreachable")
