@@ -77,22 +77,23 @@ def test_a_request_moved_away_is_freed_migrated_and_resumes_at_its_step(tmp_path
     worker = ColocatedWorker("c0", link, log_dir=str(tmp_path))
     worker.start(CFG.with_overrides(offload=False))
     try:
-        for params in ({}, {"temperature": 0.9, "seed": 5}):
+        for i, params in enumerate(({}, {"temperature": 0.9, "seed": 5})):
             whole = _req("whole", tokens, 8)
             whole = Req(**{**whole.__dict__, "params": {"max_new_tokens": 8, **params}})
             worker.dispatch(whole)
             _run_until_done(worker, link, 1)
             ref = [t for m in link.take(Tokens) for t in m.ids]
             link.take(Done)
-            worker.dispatch(Req(**{**whole.__dict__, "rid": "moving"}))
+            moving = f"moving#r-{i}"
+            worker.dispatch(Req(**{**whole.__dict__, "rid": moving, "label": "moving"}))
             while len([t for m in link.sent if isinstance(m, Tokens) for t in m.ids]) < 3:
                 worker.tick()
-            worker.dispatch(Abort("moving", "migrated"))
+            worker.dispatch(Abort(moving, "migrated"))
             (gone,) = link.take(Done)
             assert gone.reason == "migrated"
             streamed = [t for m in link.take(Tokens) for t in m.ids]
             k = len(streamed)
-            worker.dispatch(Req("moved", pack_ids(tokens + streamed),
+            worker.dispatch(Req(f"{moving}~1", pack_ids(tokens + streamed),
                                 {"max_new_tokens": 8 - k, **params}, prefill="",
                                 prefill_addr="", decode="c0", label="moving", prior=k))
             _run_until_done(worker, link, 1)
@@ -105,7 +106,8 @@ def test_a_request_moved_away_is_freed_migrated_and_resumes_at_its_step(tmp_path
         worker.close()
     report = replay_file(tmp_path / "c0.freelog")
     assert report.ok, report.format()
-    assert ("moving", "migrated") in _frees(tmp_path / "c0.freelog")
+    assert ("moving#r-0", "migrated") in _frees(tmp_path / "c0.freelog")
+    assert report.migrated == ["moving#r-0", "moving#r-1"]
 
 
 def test_a_prefill_refuses_a_bad_or_duplicate_request_alone_and_serves_on(tmp_path):
