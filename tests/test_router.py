@@ -172,6 +172,7 @@ def test_a_client_abort_reaches_both_workers_and_an_unknown_one_is_an_error(rout
 
 
 def test_a_decode_failure_aborts_the_prefill_and_names_the_cause(router):
+    router.config = CFG.with_overrides(max_migrations=0)   # else the request moves
     _deployment(router)
     rid = _submit(router, "a", [3] * 8)
     router.dispatch(b"d0", Done(rid, "error", error="transfer timed out"))

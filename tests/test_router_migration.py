@@ -57,6 +57,13 @@ def _submit(r: Router, **params) -> Req:
     return req
 
 
+def _submit_to(r: Router, decode: str) -> Req:
+    """Submit "a"; its Req as ``decode`` got it (whichever prefill took it)."""
+    r.dispatch(CLIENT, Submit("a", pack_ids(PROMPT), {"max_new_tokens": 6}))
+    (req,) = r.hub.take(decode.encode(), Req)
+    return req
+
+
 def _die(r: Router, name: str) -> None:
     """``name``'s process is gone: the next send to it finds out (as the ROUTER does)."""
     r.hub.gone.add(name.encode())
@@ -152,10 +159,20 @@ def test_moves_are_bounded_and_the_last_failure_says_why(router):
     first = _submit(router)
     _die(router, "d0")
     req = _moved(router, "d1", "p1")
-    router.dispatch(b"d1", Done(req.rid, "timeout", error="no KV within 3 s"))
+    for name in ("p0", "p1"):                     # new workers: somewhere to move to
+        router.dispatch(f"{name}x".encode(), Register("decode", f"{name}x", 7))
+        router.dispatch(f"{name}x".encode(), Ready(f"{name}x", "", 400))
+    _die(router, "d1")
     (done,) = router.hub.take(CLIENT, Done)
     assert done.reason == "error" and "moved 1 times already (max_migrations)" in done.error
     assert first.rid != req.rid and not router.routes
+    # past the limit a decode's own failure ends the request with its own words
+    router.config = CFG.with_overrides(max_migrations=0)
+    first = _submit_to(router, "p0x")
+    router.dispatch(b"p0x", Done(first.rid, "timeout", error="no KV within 3 s"))
+    router.dispatch(first.prefill.encode(), Prefilled(first.rid, "aborted"))
+    (done,) = router.hub.take(CLIENT, Done)
+    assert (done.reason, done.error) == ("timeout", "no KV within 3 s")
 
 
 def test_no_worker_to_take_it_fails_it_with_the_reason(router):
@@ -214,3 +231,17 @@ def test_a_worker_drains_itself_and_an_idle_one_shuts_down_at_once(router):
     router.dispatch(CLIENT, Drain("nobody"))
     (err,) = router.hub.take(CLIENT, Error)
     assert err.code == "unknown_worker" and "no live worker 'nobody'" in err.error
+
+
+def test_a_request_its_worker_gave_up_on_its_own_moves_and_a_clients_abort_does_not(router):
+    # a tensor-parallel decode that lost a rank ends all it held as "aborted"
+    first = _submit(router)
+    router.dispatch(b"d0", Done(first.rid, "aborted", error="d0: a tensor-parallel rank "
+                                "was lost"))
+    assert router.hub.take(CLIENT, Done) == []
+    assert _moved(router, "d1", "p1").rid == f"{first.rid}~1"
+    router.dispatch(CLIENT, Abort("a"))                      # now the client asks
+    router.dispatch(b"d1", Done(f"{first.rid}~1", "aborted"))
+    router.dispatch(b"p1", Prefilled(f"{first.rid}~1", "aborted"))
+    (done,) = router.hub.take(CLIENT, Done)
+    assert done.reason == "aborted" and not router.hub.take(b"d0", Req)

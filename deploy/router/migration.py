@@ -38,9 +38,13 @@ from deploy.router.routes import Route
 
 logger = logging.getLogger(__name__)
 
-MOVE_ON_DONE = ("peer_lost", "timeout", "migrated")
-"""A decode's end reasons that mean the request's prompt KV never fully came (the KV
-plane lost or timed out the prefill): the request moves rather than fails."""
+MOVE_ON_DONE = ("peer_lost", "timeout", "migrated", "aborted", "error")
+"""A decode's end reasons that move the request rather than end it: its prompt KV never
+fully came (the KV plane lost or timed out the prefill), a worker of it gave it up on its
+own (``aborted`` when no client asked), or it failed there (``error``: a tensor-parallel
+group that lost a rank fails the step it was in, a prefill that cannot be reached). A
+failure that would repeat anywhere costs ``max_migrations`` more attempts, then the
+client gets the last one's words."""
 
 
 class Migrations:
@@ -70,6 +74,9 @@ class Migrations:
         """Start ``route``'s next attempt on other workers, or end it: complete already,
         cut at a stop string, moved too often, or no worker to take it."""
         if self._complete(route):
+            return
+        if self.shutdown_by is not None:
+            self._fail(route, "error", f"{why}; not moved: the deployment is shutting down")
             return
         if route.migrations >= self.config.max_migrations:
             self._fail(route, "error", f"{why}; not moved again: it moved "
@@ -153,10 +160,13 @@ class Migrations:
 
     # -- what the decode says ------------------------------------------------------------
     def _moves_on_done(self, route: Route, msg: Done) -> bool:
-        """A decode's ``Done`` that says the KV never came whole: move the request
-        (True) instead of ending it (the decode freed its row already; the ``Abort`` the
-        move sends it finds nothing)."""
-        if msg.ok or msg.reason not in MOVE_ON_DONE or route.aborted_by_client:
+        """A decode's ``Done`` that ended the request where it was (``MOVE_ON_DONE``):
+        move it (True) instead (the decode freed its row already; the ``Abort`` the move
+        sends it finds nothing). Past ``max_migrations`` (0: migration off) it ends with
+        the workers' own words, as without migration."""
+        if msg.ok or msg.reason not in MOVE_ON_DONE or route.aborted_by_client or \
+                self.shutdown_by is not None or \
+                route.migrations >= self.config.max_migrations:
             return False
         self._move(route, "kv_lost", f"decode {route.decode} ended its transfer "
                    f"({msg.reason}): {msg.error}")

@@ -638,7 +638,14 @@ class Router(Migrations, Draining):
             self._probe_until = 0.0
 
     def _probe(self, why: str) -> None:
-        """Ping every worker; one whose connection is gone is lost (``why``)."""
+        """Ping every worker; one whose connection is gone is lost (``why``). Not after a
+        shutdown: every worker leaves then, and ``shutdown_complete`` waits for each
+        one's final figures (a worker lost meanwhile would not be waited for)."""
+        if self.shutdown_by is not None:
+            for w in self.workers.values():
+                if not w.lost:
+                    self.hub.send(w.peer, Ping())
+            return
         for w in list(self.workers.values()):
             if not w.lost and not self.hub.send(w.peer, Ping()):
                 self._lose(w, why)
