@@ -28,7 +28,7 @@ import pytest
 from common.auth import Keys
 from common.config import ServeConfig
 from common.freelog import FreeLogReader, follow_migrations, replay_file
-from common.kv import segment_stem
+from common.kv import deployment_tag, segment_stem
 from common.model import Model, generate_greedy
 from deploy.launch.launcher import Cluster
 from deploy.loadgen.driver import Result, drive, router_lost
@@ -157,6 +157,7 @@ def _replay_all(cluster: Cluster) -> dict[str, int]:
 def test_a_worker_killed_or_stopped_under_load_loses_no_request(start, reference, tmp_path):
     cluster = start()
     router_log = tmp_path / "router.log"
+    mine = f"pdkv.{deployment_tag(Keys(cluster.keys_dir).deployment_id)}."
     # 1. a decode SIGKILLed with its process group mid-stream: noticed as its connections
     # close, its requests go on elsewhere, its shared memory is reclaimed
     decode0 = _proc(cluster, "decode0")
@@ -211,6 +212,7 @@ def test_a_worker_killed_or_stopped_under_load_loses_no_request(start, reference
     # the deployment serves on, untouched by what it went through
     assert _migrated(_serve(cluster, reference)) == 0
     cluster.stop()
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(mine)] == []   # none left
     reasons = _replay_all(cluster)
     assert reasons.get("migrated", 0) > 0, reasons   # survivors freed the moved attempts
 
