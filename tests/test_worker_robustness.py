@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from common.config import ServeConfig
-from common.control import Abort, Done, Error, Prefilled, Req, Tokens, pack_ids
+from common.control import Abort, Done, Error, Prefilled, Req, pack_ids
 from common.freelog import FreeLogReader, replay_file
 from common.model import generate_greedy
 from deploy.launch.colocated import ColocatedWorker
@@ -57,7 +57,7 @@ def test_a_reused_rid_with_a_pending_host_copy_is_served_as_a_new_row(tmp_path, 
         _run_until_done(worker, link, 2)          # the loop lives on and serves it
         dones = link.take(Done)
         assert [(d.rid, d.reason) for d in dones] == [("r", "length"), ("r", "length")]
-        ids = [t for m in link.take(Tokens) for t in m.ids]
+        ids = [t for m in link.tokens(take=True) for t in m.ids]
         assert ids == want + want
     finally:
         worker.close()
@@ -71,7 +71,8 @@ def test_a_request_moved_away_is_freed_migrated_and_resumes_at_its_step(tmp_path
     """The router moves a request: the worker that had it frees its row ``migrated``;
     the next one gets the prompt plus the tokens streamed so far (``prior``) and goes on
     with the same tokens a run without the move gives, sampled ones included (the draws
-    are a function of seed and step)."""
+    are a function of seed and step), also when its first token is sampled in a mixed
+    step beside another request's decode."""
     tokens = prompt(11, seed=3)
     link = FakeLink()
     worker = ColocatedWorker("c0", link, log_dir=str(tmp_path))
@@ -82,22 +83,28 @@ def test_a_request_moved_away_is_freed_migrated_and_resumes_at_its_step(tmp_path
             whole = Req(**{**whole.__dict__, "params": {"max_new_tokens": 8, **params}})
             worker.dispatch(whole)
             _run_until_done(worker, link, 1)
-            ref = [t for m in link.take(Tokens) for t in m.ids]
+            ref = [t for m in link.tokens(take=True) for t in m.ids]
             link.take(Done)
             moving = f"moving#r-{i}"
             worker.dispatch(Req(**{**whole.__dict__, "rid": moving, "label": "moving"}))
-            while len([t for m in link.sent if isinstance(m, Tokens) for t in m.ids]) < 3:
+            while len([t for m in link.tokens() for t in m.ids]) < 3:
                 worker.tick()
             worker.dispatch(Abort(moving, "migrated"))
             (gone,) = link.take(Done)
             assert gone.reason == "migrated"
-            streamed = [t for m in link.take(Tokens) for t in m.ids]
+            streamed = [t for m in link.tokens(take=True) for t in m.ids]
             k = len(streamed)
+            # another request decoding meanwhile: the next attempt's first token is
+            # sampled in a mixed step (its prompt's last chunk beside that decode)
+            worker.dispatch(_req(f"other{i}", prompt(9, seed=11), 24))
+            while not link.tokens():
+                worker.tick()
             worker.dispatch(Req(f"{moving}~1", pack_ids(tokens + streamed),
                                 {"max_new_tokens": 8 - k, **params}, prefill="",
                                 prefill_addr="", decode="c0", label="moving", prior=k))
-            _run_until_done(worker, link, 1)
-            rest = [t for m in link.take(Tokens) for t in m.ids]
+            _run_until_done(worker, link, 2)
+            rest = [t for m in link.tokens(take=True) for t in m.ids
+                    if m.rid == f"{moving}~1"]
             link.take(Done)
             assert streamed + rest == ref, params
             if not params:

@@ -150,7 +150,7 @@ class ColocatedWorker(WorkerBase):
         rows = [*range(len(seqs)), *(len(seqs) + i for i, _ in ended)]
         reqs = [*seqs, *(r for _, r in ended)]
         tokens = sample(logits[rows], [r.params for r in reqs], [r.label for r in reqs],
-                        [len(r.output) for r in reqs])
+                        [r.sample_step for r in reqs])
         for req, tok in zip(reqs[len(seqs):], tokens[len(seqs):]):
             req.output.append(tok)
             trace.mark("colocated.sampled", req.rid)
