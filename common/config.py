@@ -133,6 +133,13 @@ class ServeConfig:
     once."""
     request_timeout_s: float = 600.0
     """Router: a request with no result after this long fails with 'timeout'."""
+    max_migrations: int = 3
+    """Router: how often one request may move to other workers when a worker of it dies
+    or drains (docs/operations.md, "Migration"); one more move fails it with an error
+    that says so. 0: never move (a worker's death fails its requests)."""
+    drain_timeout_s: float = 30.0
+    """Router: a draining worker (``pdkv drain``, SIGTERM) finishes its requests for this
+    long; what it still holds then moves to other workers, and it exits."""
     encode_threads: int = 2
     """Router: threads that encode text requests (tokenizer, chat template), off the loop
     that serves every other request and the heartbeats."""
@@ -216,6 +223,9 @@ class ServeConfig:
         if self.freelog_max_buffer_kib < 1:
             raise ValueError(f"freelog_max_buffer_kib={self.freelog_max_buffer_kib} must "
                              "be >= 1")
+        if self.max_migrations < 0 or self.drain_timeout_s < 0:
+            raise ValueError(f"max_migrations={self.max_migrations} and drain_timeout_s="
+                             f"{self.drain_timeout_s} must be >= 0")
         if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
         if self.encode_threads < 1 or self.encode_queue < 1 or self.encode_timeout_s <= 0:

@@ -257,6 +257,9 @@ class Request:
     cap: str = ""
     """Decode: the request's KV capability from the router (``Req.cap``); the announce
     carries it, and the prefill sends KV only to the peer that proved it."""
+    num_prior: int = 0
+    """A migrated request: its prompt ends with this many output tokens an earlier worker
+    generated (``Req.prior``); its sampling steps count on from there."""
     eager: bool = False
     """Prefill: compute before the decode announced (the router saw room there)."""
     announced: bool = False
@@ -305,6 +308,12 @@ class Request:
     def next_position(self) -> int:
         """Row position of the newest token (the next decode step's input)."""
         return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def sample_step(self) -> int:
+        """The step of the next token to sample (seeded draws are a function of seed and
+        step): outputs so far, those of earlier workers included."""
+        return self.num_prior + len(self.output)
 
     @property
     def committed_tokens(self) -> list[int]:

@@ -25,6 +25,16 @@ from common.kv import KvCache, ceil_div
 from common.request import Request
 
 
+class AdmissionFailed(RuntimeError):
+    """Opening ``req``'s row failed (it left the queue, holds nothing): the scheduler
+    fails that request alone."""
+
+    def __init__(self, req: Request, cause: Exception) -> None:
+        super().__init__(f"{req.rid}: opening its row failed ({type(cause).__name__}: "
+                         f"{cause})")
+        self.req = req
+
+
 class Admission:
     """FIFO queue plus reservations over one ``KvCache``.
 
@@ -72,11 +82,19 @@ class Admission:
         if not self.queue:
             return None
         req = next(iter(self.queue.values()))
-        if not self.can_admit(req):
+        if not self.can_admit(req) or self.cache.has_row(req.rid):
+            # a reused id waits while its earlier request's row is still open (its host
+            # copies end soon; the row is freed then): served as a new row after that
             return None
-        kv = self.cache.open_row(req.rid)
-        self.cache.extend(kv, len(req.prompt))
         del self.queue[req.rid]
+        kv = None
+        try:
+            kv = self.cache.open_row(req.rid)
+            self.cache.extend(kv, len(req.prompt))
+        except Exception as exc:
+            if kv is not None:
+                self.cache.close_row(kv)  # extend changed nothing: the row is empty
+            raise AdmissionFailed(req, exc) from exc
         req.kv = kv
         self.admitted[req.rid] = req
         return req

@@ -43,7 +43,7 @@ def greedy_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
     for s in seqs:
         cache.commit(s.kv, 1)
     tokens = sample(logits, [s.params for s in seqs], [s.label for s in seqs],
-                    [len(s.output) for s in seqs])
+                    [s.sample_step for s in seqs])
     return [[t] for t in tokens]
 
 

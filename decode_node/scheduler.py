@@ -31,7 +31,7 @@ from common.metrics import abort_readings, host_readings, spec_readings
 from common.model import ModelRunner
 from common.node import PrefixReuse, close_offloader, host_salt, make_offloader
 from common.request import ReqState, Request, check_transition
-from decode_node.admission import Admission
+from decode_node.admission import Admission, AdmissionFailed
 from decode_node.batch import DecodeBatch, StepFn, finish_ranges, greedy_step
 from decode_node.host_connector import HostConnector
 from decode_node.retraction import Retractor
@@ -85,7 +85,7 @@ class DecodeScheduler:
             self.admission.headroom = self.retraction.running_need
         self.outbox: list[tuple[str, list[int], bool]] = []
         """This step's new tokens (rid, ids, first): one ``StepTokens`` per step."""
-        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "tokens": 0}
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0, "migrated": 0, "tokens": 0}
         self.aborted_in: Counter[str] = Counter()
         """Aborted requests by the stage (``ReqState``, lower case) they were in."""
 
@@ -113,7 +113,7 @@ class DecodeScheduler:
         """
         if self.retraction is not None and not self.retraction.admits_new():
             return None
-        while (req := self.admission.admit_next()) is not None:
+        while (req := self._admit_head()) is not None:
             try:
                 if self.prefix_reuse is None or self.prefix_reuse.load_request(
                         req, commit=commit_prefix) is not None:
@@ -124,6 +124,16 @@ class DecodeScheduler:
                 self.end(req, "error", f"{self.who}: loading the cached prefix failed "
                          f"({type(exc).__name__}: {exc}); retry the request")
         return None
+
+    def _admit_head(self) -> Request | None:
+        """The head of the queue with its row open, or None; a head whose row cannot
+        open fails alone (the worker serves on) and the next is tried."""
+        while True:
+            try:
+                return self.admission.admit_next()
+            except AdmissionFailed as exc:
+                logger.exception("%s: %s", self.name, exc)
+                self.end(exc.req, "error", f"{self.who}: {exc}; retry the request")
 
     def waiting_kv(self, req: Request) -> None:
         """Decode: the prefill was told where the prompt's KV goes."""
@@ -203,7 +213,7 @@ class DecodeScheduler:
         """Abort (``aborted``) or failure (any other reason) at any stage."""
         logger.info("%s: %s %s in %s%s", self.name, req.rid, reason, req.state.name,
                     f" ({detail})" if detail else "")
-        self.counts["aborted" if reason == "aborted" else "failed"] += 1
+        self.counts[reason if reason in ("aborted", "migrated") else "failed"] += 1
         if reason == "aborted":
             self.aborted_in[req.state.name.lower()] += 1
         self._free_request(req, reason, detail)

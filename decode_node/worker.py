@@ -83,12 +83,12 @@ class DecodeWorker(WorkerBase):
             return
         self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
                                        prefill=msg.prefill, prefill_addr=msg.prefill_addr,
-                                       cap=msg.cap))
+                                       cap=msg.cap, num_prior=msg.prior))
 
-    def on_abort(self, rid: str) -> None:
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
         if req is not None:
-            self.scheduler.end(req, "aborted")
+            self.scheduler.end(req, reason)
 
     def on_stop(self, rid: str) -> None:
         req = self.scheduler.find(rid)
@@ -135,6 +135,8 @@ class DecodeWorker(WorkerBase):
     def _on_event(self, ev) -> None:
         if ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+            if ev.kind == EventKind.PEER_LOST:
+                self.reclaim_segments()
             return
         req = self.scheduler.find(ev.rid) if ev.rid else None
         if req is None or req.kv is None:
@@ -165,6 +167,10 @@ class DecodeWorker(WorkerBase):
 
     def load(self) -> Load:
         return self.scheduler.load()
+
+    def num_requests(self) -> int:
+        admission = self.scheduler.admission
+        return len(admission.admitted) + len(admission.queue)
 
     def stats(self) -> dict:
         rx = self.receiver.stats

@@ -81,7 +81,8 @@ class PrefillEngine:
         if finished:
             rows = logits[[i for i, _ in finished]]
             tokens = sample(rows, [r.params for _, r in finished],
-                            [r.label for _, r in finished], [0] * len(finished))
+                            [r.label for _, r in finished],
+                            [r.sample_step for _, r in finished])
             for (_, req), tok in zip(finished, tokens):
                 req.output.append(tok)
             if on_sampled is not None:

@@ -39,7 +39,7 @@ from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
 from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
 from common.node.tp import TpSpec, kv_config
-from common.request import ReqState, Request, SamplingParams, check_transition
+from common.request import BadRequest, ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
 from prefill_node.engine import PrefillEngine
 from transport import EventKind, GroupSender, KvSender, transport_readings
@@ -71,7 +71,8 @@ class PrefillWorker(WorkerBase):
         self.dropped: deque[str] = deque(maxlen=_FORGET)
         self.busy = BusyTime()
         """Time some transfer was streaming (the union of each request's send window)."""
-        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "prompt_tokens": 0}
+        self.counts = {"sent": 0, "aborted": 0, "failed": 0, "migrated": 0,
+                       "prompt_tokens": 0}
         self.aborted_in: Counter[str] = Counter()
         """Aborted requests by the stage (``ReqState``, lower case) they were in."""
 
@@ -101,24 +102,29 @@ class PrefillWorker(WorkerBase):
     # -- control -------------------------------------------------------------------------
     def on_req(self, msg: Req) -> None:
         rid = msg.rid
+        if rid in self.reqs:
+            # the one in flight keeps its row and its transfer; this one is refused alone
+            raise BadRequest(f"rid {rid!r} is already in flight on this prefill")
         req = Request(rid, unpack_ids(msg.prompt).tolist(), SamplingParams.from_dict(msg.params),
-                      label=msg.label, eager=msg.eager, announced=rid in self.early_ready)
+                      label=msg.label, eager=msg.eager, announced=rid in self.early_ready,
+                      num_prior=msg.prior)
         self.early_ready.discard(rid)
         self.reqs[rid] = req
         # KV only to the decode the router assigned: it alone holds this capability
         self.sender.expect(rid, msg.cap)
 
-    def on_abort(self, rid: str) -> None:
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
+        why = "moved to another worker" if reason == "migrated" else "client abort"
         req = self.reqs.get(rid)
         if req is None:
             self.dropped.append(rid)
             if rid in self.early_ready:
                 self.early_ready.discard(rid)
-                self.sender.abort(rid, detail="client abort")
+                self.sender.abort(rid, reason, detail=why)
             return
         # an eager transfer exists before the announcement; abort is a no-op when unknown
-        self.sender.abort(rid, detail="client abort")
-        self._free_request(req, "aborted")
+        self.sender.abort(rid, reason, detail=why)
+        self._free_request(req, reason)
 
     def idle_wait_s(self) -> float:
         return min(0.02, self.sender.poll_within() or 0.02)
@@ -212,6 +218,8 @@ class PrefillWorker(WorkerBase):
             self._free_request(req, ev.reason or "error", ev.detail)
         elif ev.kind in (EventKind.PEER_LOST, EventKind.HANDSHAKE_FAILED):
             logger.error("%s: %s %s: %s", self.name, ev.kind.name, ev.peer, ev.detail)
+            if ev.kind == EventKind.PEER_LOST:   # a decode's pool it may have left behind
+                self.reclaim_segments()
 
     def _on_ready(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -262,7 +270,7 @@ class PrefillWorker(WorkerBase):
         if aborted:
             self.aborted_in[req.state.name.lower()] += 1
         self._move(req, ReqState.ABORTED if aborted else ReqState.FAILED)
-        self.counts["aborted" if aborted else "failed"] += 1
+        self.counts[reason if reason in ("aborted", "migrated") else "failed"] += 1
         self.send(Prefilled(req.rid, reason, error=detail))
 
     def _kv_bytes(self, num_pages: int) -> int:
@@ -286,6 +294,9 @@ class PrefillWorker(WorkerBase):
         return Load(self.name, running=len(self.engine.tasks), queued=len(self.reqs),
                     free_tokens=self.cache.num_free_pages() * self.cache.page_size,
                     queued_tokens=queued)
+
+    def num_requests(self) -> int:
+        return len(self.reqs)
 
     def stats(self) -> dict:
         reuse = self.prefix_reuse

@@ -62,6 +62,8 @@ class FakeHub(ControlHub):
     unreachable (``send`` returns False), as a ROUTER socket reports them."""
 
     address = "fake://router"
+    refused = 0
+    """Connections refused at the handshake (none: there are none)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Message]] = []

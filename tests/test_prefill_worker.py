@@ -147,7 +147,8 @@ def test_a_failure_while_admitting_fails_that_request_alone(prefill, tmp_path):
     worker.tick()
     (failed,) = link.take(Prefilled)
     assert failed.reason == "error" and "host tier unreadable" in failed.error
-    assert worker.counts == {"sent": 0, "aborted": 0, "failed": 1, "prompt_tokens": 0}
+    assert worker.counts == {"sent": 0, "aborted": 0, "failed": 1, "migrated": 0,
+                             "prompt_tokens": 0}
     worker.prefix_reuse = good
     worker.dispatch(_req("next", prompt(12, seed=5)))
     worker.tick()

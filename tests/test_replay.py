@@ -621,3 +621,29 @@ def test_a_real_double_free_after_a_cut_is_caught(tmp_path):
     report = replay_file(dst)
     assert report.violations_by_kind.get("double-free", 0) >= 1, report.format()
     assert report.exit_code == 1
+
+
+# -- migrated requests (docs/freelog.md, "migrated") -----------------------------------------
+def test_an_attempt_freed_migrated_that_takes_pages_again_is_a_violation(tmp_path):
+    report = replay(tmp_path, [alloc("a#r-1", 3, 4), free("a#r-1", 3, 4, reason="migrated"),
+                               alloc("a#r-1", 5), free("a#r-1", 5), close()])
+    v = only_violation(report)
+    assert (v.kind, v.seq, v.owner) == ("alloc-after-migrated", 2, "a#r-1")
+    assert report.migrated == ["a#r-1"]
+
+
+def test_pdkv_replay_follows_each_moved_attempt_to_the_log_that_took_it(tmp_path, capsys):
+    left = write_log(tmp_path / "decode0.freelog", [
+        alloc("a#r-1", 3, 4), pin(1, 3), free("a#r-1", 3, 4, reason="migrated"),
+        unpin(1, 3), release(3), alloc("b#r-2", 7), free("b#r-2", 7, reason="migrated"),
+        close()])
+    took = write_log(tmp_path / "decode1.freelog", [
+        alloc("a#r-1~1", 2, 3), free("a#r-1~1", 2, 3), close()])
+    assert main(_args(left, took)) == 0                  # clean: routing is not judged
+    out = capsys.readouterr().out
+    assert "migrated: 2 request attempt(s) moved on" in out
+    assert "a#r-1 (decode0.freelog) -> a#r-1~1 (decode1.freelog)" in out
+    assert "b#r-2 (decode0.freelog) -> b#r-2~1 (no log given)" in out
+    assert main(_args(left, took, json=True)) == 0
+    moves = json.loads(capsys.readouterr().out)["migrations"]
+    assert [m["next_log"] for m in moves] == ["decode1.freelog", ""]

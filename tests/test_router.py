@@ -172,6 +172,7 @@ def test_a_client_abort_reaches_both_workers_and_an_unknown_one_is_an_error(rout
 
 
 def test_a_decode_failure_aborts_the_prefill_and_names_the_cause(router):
+    router.config = CFG.with_overrides(max_migrations=0)   # else the request moves
     _deployment(router)
     rid = _submit(router, "a", [3] * 8)
     router.dispatch(b"d0", Done(rid, "error", error="transfer timed out"))
@@ -199,7 +200,7 @@ def test_a_worker_that_cannot_take_a_request_ends_it_with_its_words(router):
     assert router.hub.take(CLIENT, Done)[0].reason == "length"
 
 
-def test_a_silent_worker_is_lost_and_its_requests_fail(router):
+def test_a_silent_worker_is_lost_and_its_requests_move(router):
     _deployment(router)
     rid = _submit(router, "a", [3] * 8)
     now = router.workers["d0"].last_seen
@@ -207,9 +208,10 @@ def test_a_silent_worker_is_lost_and_its_requests_fail(router):
         router.workers[name].last_seen = now + CFG.lease_s
     router.tick(now + CFG.lease_s + 0.5)
     assert router.workers["d0"].lost and not router.workers["p0"].lost
-    (done,) = router.hub.take(CLIENT, Done)
-    assert done.reason == "error" and "worker d0 lost" in done.error
-    assert router.hub.take(b"p0", Abort) == [Abort(rid)]
+    assert router.hub.take(CLIENT, Done) == []               # the client waits on
+    assert router.hub.take(b"p0", Abort) == [Abort(rid, "migrated")]
+    (moved,) = router.hub.take(b"d1", Req)                  # d1 takes it over
+    assert moved.rid == f"{rid}~1" and moved.label == "a"
     router.dispatch(CLIENT, Submit("b", pack_ids([3] * 8), {}))
     assert router.hub.take(b"d1", Req)[0].label == "b"  # routing goes on without d0
 
@@ -315,8 +317,9 @@ def test_both_workers_of_a_request_dying_ends_it_once(router):
     router.hub.gone |= {b"d0", b"p0"}                 # both processes died
     router._send_worker("d0", Abort(rid))             # the router finds d0 gone ...
     assert router.workers["d0"].lost and router.workers["p0"].lost   # ... and then p0
-    (done,) = router.hub.take(CLIENT, Done)
-    assert done.reason == "error" and "worker d0 lost" in done.error
+    (done,) = router.hub.take(CLIENT, Done)        # it moved to d1, then found no prefill
+    assert done.reason == "error" and "worker p0 lost" in done.error
+    assert "no other worker could take it over" in done.error
     assert len(router.routes) == 0
     router.dispatch(CLIENT, Submit("b", pack_ids([1] * 8), {}))
     (err,) = router.hub.take(CLIENT, Error)

@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from common.config import ServeConfig
+from common.control import Drain, Shutdown
 from common.freelog import FreeLogReader, replay_file
 from common.kv import KvCache
 from common.model import ModelRunner, get_config
@@ -54,13 +55,22 @@ class SignalledGroup(TpGroup):
         return payload
 
 
+class RouterThatShutsDrains(FakeLink):
+    """The router's side of a drain: a worker that holds nothing is told to shut down."""
+
+    def send(self, msg) -> None:
+        super().send(msg)
+        if isinstance(msg, Drain):
+            self.inbox.append(Shutdown())
+
+
 class Leader(WorkerBase):
     """Rank 0's shell: tick 1 opens a row and fills it, tick 2 frees and closes it."""
 
     role = "prefill"
 
     def __init__(self, tmp_path, group: TpGroup) -> None:
-        super().__init__("p0", FakeLink())
+        super().__init__("p0", RouterThatShutsDrains())
         self.tmp_path, self.group, self.ticks = tmp_path, group, 0
 
     def build(self) -> None:
@@ -88,16 +98,25 @@ class Leader(WorkerBase):
         self.cache.close()
 
 
+@pytest.mark.parametrize("drain", [True, False], ids=["drains", "second-sigterm"])
 def test_sigterm_inside_rank_0s_broadcast_stops_after_the_step_and_the_follower_closes_clean(
-        tmp_path, model):
+        tmp_path, model, monkeypatch, drain):
+    if not drain:   # the drain hook already spent: this SIGTERM stops the process
+        monkeypatch.setattr(stop_signals, "drain_with", lambda hook: None)
     group = SignalledGroup(signal_at=2)  # broadcasts: tick 1's, the heartbeat's, tick 2's
     leader = Leader(tmp_path, group)
     leader.start(ServeConfig())
-    with pytest.raises(SystemExit) as stopped:
+    if drain:   # a serving worker drains: it asks the router and stops at its Shutdown
         leader._loop()
+        assert leader.drain_asked and leader.stopping
+        assert any(isinstance(m, Drain) for m in leader.link.sent)
+        assert leader.ticks == 3  # the signalled step ran to its end, one more before the
+    else:                         # router's answer was read
+        with pytest.raises(SystemExit) as stopped:
+            leader._loop()
+        assert stopped.value.code == 128 + signal.SIGTERM
+        assert leader.ticks == 2  # the signalled step ran to its end; no step after it
     leader.close()
-    assert stopped.value.code == 128 + signal.SIGTERM
-    assert leader.ticks == 2  # the signalled step ran to its end; no step after it
 
     follower = KvCache(64, 4, layout=CFG.kv_layout(True), log_path=tmp_path / "p0.tp1.freelog",
                        node="p0/tp1")
@@ -123,3 +142,18 @@ def test_a_stop_signal_outside_a_step_is_raised_at_once_and_sigint_is_keyboard_i
             os.kill(os.getpid(), signal.SIGTERM)  # a second one: still after the step
             reached.append(True)
     assert reached == [True]
+
+
+def test_the_first_sigterm_of_a_serving_worker_only_asks_it_to_drain():
+    asked = []
+    stop_signals.drain_with(lambda: asked.append(True))
+    try:
+        with stop_signals.held():
+            os.kill(os.getpid(), signal.SIGTERM)    # noted by the hook, nothing raised
+        assert asked == [True]
+        with pytest.raises(SystemExit):             # the second one stops the process
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        assert asked == [True]
+    finally:
+        stop_signals.drain_with(None)

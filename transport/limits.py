@@ -23,7 +23,8 @@ MAX_DIGEST = (1 << 64) - 1
 DIGESTS = ("", "xxh3_64", "fold64")  # a Hello's kv_digest ("" integrity off)
 ROLES = ("prefill", "decode")
 # The free reasons an Abort may carry: the peer frees its row with it (docs/protocol.md).
-ABORT_REASONS = ("aborted", "timeout", "error", "peer_lost")
+# ``migrated``: the router moved the request to another worker (docs/operations.md).
+ABORT_REASONS = ("aborted", "timeout", "error", "peer_lost", "migrated")
 
 
 def ints(msg: object, **bounds: tuple[int, int]) -> None:

@@ -321,6 +321,12 @@ class KvReceiver:
             self.stats["errors_recv"] += 1
             logger.warning("%s: peer %s reports %r: %r", self.config.node, peer.name,
                            msg.code, msg.detail)
+            if msg.code == ErrorCode.NOT_HANDSHAKEN:
+                # it declared us lost (we were stopped past our lease) and forgot us: so is
+                # it to us, and the next request reconnects (its announces would be
+                # answered this way until they timed out)
+                self._lose(peer, "it no longer knows this decode (it declared it lost)")
+                return
             self._fail_rid(msg.rid, "error", f"peer error {msg.code}: {msg.detail}",
                            by=peer)
         elif not isinstance(msg, Heartbeat):

@@ -9,6 +9,7 @@ from common.control.messages import (
     Abort,
     Bye,
     Done,
+    Drain,
     Error,
     Load,
     Malformed,
@@ -35,7 +36,7 @@ from common.control.messages import (
 )
 
 __all__ = ["Abort", "Bye", "CODEC", "Codec", "ControlHub", "ControlLink", "DecodeError", "Done",
-           "Error", "Hub", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
+           "Drain", "Error", "Hub", "Link", "Load", "MAX_CONTROL_BYTES", "Malformed", "Message",
            "MetricsQuery", "MetricsReport", "MetricsSnapshot", "Ping", "Pong", "Prefilled",
            "Ready", "Register", "Registered", "Req", "Scalar", "Shutdown", "Stats", "Status",
            "StatusReport", "StepTokens", "Stop", "Submit", "Tokens", "pack_ids",

@@ -88,6 +88,12 @@ class ControlHub(ABC):
     def close(self, linger_s: float = 0.0) -> None:
         """Release the socket, giving what was just sent up to ``linger_s`` to leave."""
 
+    def take_disconnects(self) -> int:
+        """Connections that closed since the last call (a peer's process died, or it
+        closed its socket); which peer it was, a send to each shows (``send`` is False
+        for a peer whose connection is gone). 0 where nothing watches connections."""
+        return 0
+
 
 class Link(ControlLink):
     """A DEALER connected to the router: send, receive with a timeout, close.
@@ -169,6 +175,13 @@ class Hub(ControlHub):
             raise
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.errors: Counter[str] = Counter()
+        # a peer's connection closing (its process died: the kernel closes its sockets)
+        # is an event here at once, on ipc and tcp alike, with or without CURVE
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self._disconnects = 0
 
     def send(self, peer: bytes, msg: Message) -> bool:
         """False when the peer is gone, or so far behind that its queue is full (the
@@ -185,9 +198,17 @@ class Hub(ControlHub):
             return False
 
     def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
-        """(peer, message, sender's identity) or None when nothing came in time."""
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
+        """(peer, message, sender's identity) or None when nothing came in time
+        (connections that closed meanwhile are counted for ``take_disconnects``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = dict(self.poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self.monitor in ready:
+                self._take_events()
+            if self.sock in ready:
+                break
+            if time.monotonic() >= deadline:
+                return None
         peer, *frames = self.sock.recv_multipart(copy=False)
         who = principal(frames[-1]) if frames else ""
         if len(frames) != 1:
@@ -199,12 +220,25 @@ class Hub(ControlHub):
             logger.warning("router: undecodable message from %r: %s", peer.bytes, msg.detail)
         return peer.bytes, msg, who
 
+    def _take_events(self) -> None:
+        while self.monitor.poll(0):
+            frames = self.monitor.recv_multipart()
+            if int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                self._disconnects += 1
+
+    def take_disconnects(self) -> int:
+        self._take_events()
+        n, self._disconnects = self._disconnects, 0
+        return n
+
     @property
     def refused(self) -> int:
         """Connections refused at the handshake (unknown key, wrong password)."""
         return self.guard.refused
 
     def close(self, linger_s: float = 0.0) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         # a linger lets the I/O thread write what was just sent (the router's Bye with
         # the final stats and metrics); 0 drops it, and the client waits in vain
         self.sock.close(linger=int(linger_s * 1000))

@@ -24,6 +24,7 @@ does not decode becomes a local ``Malformed`` (never sent) that the receiver ans
 | ``Prefilled`` | prefill -> router | the prefill's part ended (sent, aborted, failed) |
 | ``Abort`` | client -> router -> workers | stop a request; any stage |
 | ``Stop`` | router -> decode/colocated | a stop string ended the output: finish it (``stop``) |
+| ``Drain`` | operator or worker -> router | stop routing to a worker; it ends its work, exits |
 | ``Error`` | any -> any | a refused request or message; ``code`` says which kind |
 | ``Status`` / ``StatusReport`` | client -> router -> client | workers, requests in flight, config |
 | ``MetricsQuery`` / ``MetricsSnapshot`` | client -> router -> client | the deployment's metrics |
@@ -217,6 +218,9 @@ class Done:
     cached_tokens: int = 0
     """Prompt tokens loaded from a host tier instead of computed or received (router ->
     client: the larger of the prefill's and the decode's count)."""
+    migrations: int = 0
+    """Router -> client: how often the request moved to another worker on its way (a
+    worker died or drained); its tokens are those of a run without the move."""
 
     @property
     def ok(self) -> bool:
@@ -258,6 +262,15 @@ class Req:
     cap: str = ""
     """The request's KV capability: a random secret only these two workers get; the
     decode announces with it and the prefill sends KV only to the peer that did."""
+    prior: int = 0
+    """A migrated request (docs/operations.md, "Migration"): the last ``prior`` ids of
+    ``prompt`` are output tokens an earlier worker generated and the client has;
+    ``params.max_new_tokens`` counts only what is still to come, and sampling goes on at
+    step ``prior`` (the draws are a function of seed and step)."""
+
+    def __post_init__(self) -> None:
+        if self.prior < 0:
+            raise ValueError(f"prior={self.prior} must be >= 0")
 
 
 # -- client -> router ---------------------------------------------------------------------
@@ -331,6 +344,25 @@ class Abort:
     """Stop ``rid`` at any stage; every side frees what it holds (``aborted``)."""
 
     rid: str
+    reason: str = ""
+    """Router -> worker only: ``migrated`` when the router moved the request to another
+    worker (the row is freed ``migrated``); empty: an abort (``aborted``). The router
+    never forwards a client's."""
+
+    def __post_init__(self) -> None:
+        if self.reason not in ("", "migrated"):
+            raise ValueError(f"Abort.reason={self.reason!r}; allowed: '' or 'migrated'")
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Stop routing new requests to worker ``name``; it finishes what it holds (what is
+    left after ``drain_timeout_s`` moves to other workers), then the router tells it to
+    shut down. An operator asks for any worker (answered with a ``StatusReport``
+    carrying ``nonce``); a worker asks for itself (SIGTERM)."""
+
+    name: str
+    nonce: int = 0
 
 
 @dataclass(frozen=True)
@@ -400,5 +432,5 @@ class Malformed:
 Message = (Register | Ready | Load | Stats | MetricsReport | Prefilled | StepTokens | Tokens
            | Done
            | Registered | Req | Submit | Status | StatusReport | MetricsQuery
-           | MetricsSnapshot | Bye | Abort | Stop | Error | Ping | Pong | Shutdown)
+           | MetricsSnapshot | Bye | Abort | Stop | Drain | Error | Ping | Pong | Shutdown)
 CODEC = Codec(*typing.get_args(Message), max_bytes=MAX_CONTROL_BYTES)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from common.freelog.digests import cross_check
+from common.freelog.migrations import follow, format_follow
 from common.freelog.reader import UnreadableLog
 from common.freelog.replay import replay_file
 from common.freelog.report import EXIT_CLEAN, EXIT_VIOLATIONS, ReplayReport, combined_exit
@@ -65,13 +66,16 @@ def main(args) -> int:
     found, counts = cross_check([r.ledger for r in reports if r.ledger is not None])
     status = combined_exit([r.exit_code for r in reports]
                            + [EXIT_VIOLATIONS if found else EXIT_CLEAN])
+    moves = follow(reports)
     if not getattr(args, "json", False) and (found or any(counts.values())):
         print(format_cross(found, counts, getattr(args, "max_violations", 50)), flush=True)
     if getattr(args, "json", False):
         print(json.dumps({"ok": status == 0, "exit_code": status,
                           "logs": [r.to_dict() for r in reports],
-                          "digests": {**counts, "mismatches": [v.__dict__ for v in found]}},
-                         indent=2))
+                          "digests": {**counts, "mismatches": [v.__dict__ for v in found]},
+                          "migrations": moves}, indent=2))
+    elif moves:
+        print(format_follow(moves), flush=True)
     if plot:
         plot_logs([r.path for r in reports if r.error is None], plot, request)
         print(f"plot written to {plot}", file=sys.stderr)

@@ -68,6 +68,9 @@ class Replayer(Diagnosis, RareEvents):
         self.pools = {name: PoolState(info) for name, info in reader.header.pools.items()}
         self._owner_ids: dict[Any, int] = {}
         self._owner_names: list[Any] = []
+        self._moved: set[Any] = set()
+        """Owners freed ``migrated``: that attempt is over in this log (by name: owner
+        ids are renumbered as the log goes)."""
         self._expect: tuple[PoolState, list[int], int] | None = None  # release due after unpin
         self._closed = False
         self._gap_seq: int | None = None  # seq of the first lost marker: judging stopped
@@ -139,6 +142,13 @@ class Replayer(Diagnosis, RareEvents):
         oid = self._owner_ids.get(owner)
         if oid is None:
             oid = self._intern(owner)
+            if "~" in owner:   # a later attempt of a request that moved here (maybe)
+                self.report.attempts.append(owner)
+        elif self._moved and owner in self._moved:
+            self._violate(seq, "alloc-after-migrated", ev["pool"], f"alloc by {owner!r} "
+                          "after it was freed 'migrated': an attempt that moved to another "
+                          "worker took pages here again", owner=str(owner),
+                          num_pages=len(pages))
         new, tag = oid << 2 | OWNED, seq << 3 | OP_ALLOC
         own, last = ps.own, ps.last
         try:
@@ -172,6 +182,9 @@ class Replayer(Diagnosis, RareEvents):
         oid = self._owner_ids.get(owner)
         if oid is None:
             oid = self._intern(owner)
+        if reason == "migrated" and owner not in self._moved:
+            self._moved.add(owner)
+            self.report.migrated.append(owner)
         held, tag = oid << 2 | OWNED, seq << 3 | OP_FREE
         own, pins, last = ps.own, ps.pins, ps.last
         freed = held - OWNED  # FREE, and the owner id is kept for messages

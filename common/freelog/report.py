@@ -62,6 +62,10 @@ class ReplayReport:
     unknown_pages_at_end: int = 0  # pages the log never showed again after its last gap
     digests: dict[str, int] = field(default_factory=dict)  # runs sent/received, pages ...
     ledger: Any = field(default=None, repr=False)  # the digests, for ``cross_check``
+    migrated: list[str] = field(default_factory=list)
+    """Owners (request attempts) freed ``migrated`` here: they moved to another worker."""
+    attempts: list[str] = field(default_factory=list)
+    """Owners named as a later attempt (``...~k``) that took pages here."""
 
     @property
     def incomplete(self) -> bool:
@@ -95,7 +99,8 @@ class ReplayReport:
                 "incomplete": self.incomplete, "lost_events": self.lost_events,
                 "gaps": self.gaps, "judged_after_gap": self.judged_after_gap,
                 "unknown_pages_at_end": self.unknown_pages_at_end,
-                "digests": self.digests, "seconds": round(self.seconds, 3)}
+                "digests": self.digests, "migrated": self.migrated,
+                "seconds": round(self.seconds, 3)}
 
     def format(self, max_violations: int = 50) -> str:
         """The human-readable summary that ``pdkv replay`` prints."""
@@ -116,6 +121,11 @@ def format_report(r: ReplayReport, max_violations: int) -> str:
         lines.append(f"  digests: runs sent {d['runs_sent']:,}, received "
                      f"{d['runs_received']:,}, refused {d['runs_refused']:,}; host pages "
                      f"stored {d['pages_stored']:,}, loaded {d['pages_loaded']:,}")
+    if r.migrated:
+        lines.append(f"  migrated: {len(r.migrated)} request attempt(s) moved on to other "
+                     "workers (freed 'migrated'; none took pages here again)"
+                     if not r.violations_by_kind.get("alloc-after-migrated") else
+                     f"  migrated: {len(r.migrated)} request attempt(s) moved on")
     for w in r.warnings:
         lines.append(f"  warning: {w}")
     if r.num_violations:

@@ -8,6 +8,7 @@ from common.kv.pool_stats import PAGE_STATES, PoolStats
 from common.kv.ranges import ceil_align, ceil_div
 from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
+from common.kv.segments import deployment_tag, reclaim_orphans, segment_stem
 from common.lazy import lazy_names
 
 # the modules that import torch: read on first use (common/lazy.py)
@@ -27,7 +28,7 @@ __getattr__ = lazy_names(__name__, {
 __all__ = ["DTYPE_BYTES", "PAGE_STATES", "CopyShare", "FreeReason", "KvCache", "KvLayout",
            "KvRecord", "OutOfPages", "PageAllocator", "PoolStats", "RangeError",
            "SegmentError", "SharedTensor", "ceil_align", "ceil_div", "check_pages",
-           "copy_pages", "copy_threads", "DigestMismatch", "RunDigest",
+           "copy_pages", "copy_threads", "DigestMismatch", "RunDigest", "deployment_tag",
            "digest_of_bytes", "digest_of_pages", "digest_value", "negotiate_digest",
-           "preferred_digest", "dtype_of", "offering", "page_runs",
-           "set_copy_threads", "valid_segment_name"]
+           "preferred_digest", "dtype_of", "offering", "page_runs", "reclaim_orphans",
+           "segment_stem", "set_copy_threads", "valid_segment_name"]

@@ -25,6 +25,7 @@ from common.kv.pool_stats import PoolStats
 from common.kv.ranges import ceil_div, check_ranges, merge_ranges, page_indices, range_of_index
 from common.kv.reasons import FreeReason
 from common.kv.record import KvRecord
+from common.kv.segments import segment_stem
 from common.kv.shared_tensor import SharedTensor
 
 
@@ -43,6 +44,8 @@ class KvCache:
         layout: what a page holds; see ``KvLayout``.
         shared_memory: put the CPU pool tensors in named shared memory so that a peer on
             the same host can map them (``shared_memory_name``) and copy pages directly.
+        segment: the stem of those segments' names (``segments.segment_stem``: the
+            deployment and the worker); default ``pdkv.local.<node>``.
 
     All methods are thread-safe.
     """
@@ -51,7 +54,7 @@ class KvCache:
                  max_rows: int = 256, max_row_len: int | None = None,
                  device: str | torch.device = "cpu", log_path: str | os.PathLike | None = None,
                  node: str = "node", layout: KvLayout | None = None,
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, segment: str = ""):
         _check_sizes(num_pages, page_size, swa_num_pages, max_rows, max_row_len)
         self.num_pages, self.page_size = num_pages, page_size
         self.layout = layout or KvLayout()
@@ -65,7 +68,8 @@ class KvCache:
         epoch_base = time.time_ns() // 1000  # a restarted process never reuses old epochs
         self._pools = {name: PageAllocator(name, n, (0,), self._log, epoch_base)
                        for name, n in sizes.items()}
-        self._shared = {name: self._shared_tensor(n) for name, n in sizes.items()
+        stem = segment or segment_stem("", node)
+        self._shared = {name: self._shared_tensor(n, stem) for name, n in sizes.items()
                         } if shared_memory else {}
         # [num_pages, total_layers, 2, page_size, num_kv_heads, head_dim]
         self._data = {name: self._shared[name].tensor if shared_memory else torch.zeros(
@@ -103,11 +107,11 @@ class KvCache:
         shared = self._shared.get(pool)
         return b"" if shared is None else shared.token
 
-    def _shared_tensor(self, num_pages: int) -> SharedTensor:
+    def _shared_tensor(self, num_pages: int, stem: str) -> SharedTensor:
         if self.device.type != "cpu":
             raise ValueError(f"shared_memory=True needs a CPU pool, not {self.device}")
         shape = (num_pages, *self.layout.page_shape(self.page_size))
-        return SharedTensor(shape, self.layout.torch_dtype)
+        return SharedTensor(shape, self.layout.torch_dtype, stem=stem)
 
     @property
     def free_log(self) -> FreeLogWriter | None:
@@ -134,6 +138,12 @@ class KvCache:
                 self._row_held[name][row] = np.zeros(self._max_row_pages, dtype=bool)
             kv = self._records[owner] = KvRecord(owner=owner, row=row)
             return kv
+
+    def has_row(self, owner: str) -> bool:
+        """``owner`` holds an open row (a finished request's row stays open until its
+        host copies end; a new row for the same owner must wait for it)."""
+        with self._lock:
+            return owner in self._records
 
     def extend(self, kv: KvRecord, num_tokens: int, pages: np.ndarray | None = None) -> None:
         """Give ``kv`` slots for positions ``[allocated_len, allocated_len + num_tokens)``.

@@ -34,6 +34,10 @@ class FreeReason(str, Enum):
     """A request shortened its row (streaming, multi-turn trims)."""
     ERROR = "error"
     """Any other failure of the request."""
+    MIGRATED = "migrated"
+    """The router moved the request to another worker (its other worker died, or this
+    one is draining): this attempt's row is given back, the request goes on elsewhere
+    under a new id (docs/operations.md, "Migration")."""
 
     def __str__(self) -> str:
         return self.value

@@ -1,7 +1,10 @@
 """Tensors in named POSIX shared memory, so a peer process on the same host can map a pool.
 
 The creator owns the segment and unlinks it at ``close`` (Python's resource tracker also
-unlinks it if the creator dies). A process that attaches maps ``/dev/shm/<name>`` itself
+unlinks it if the creator dies alone; one killed with its process group takes the tracker
+with it, and ``common.kv.segments.reclaim_orphans`` unlinks what it left: segments are
+named after their deployment, worker and owner process, ``segments.segment_name``).
+A process that attaches maps ``/dev/shm/<name>`` itself
 (Linux): attaching through ``SharedMemory`` would register the name with a resource
 tracker that the creator may share (processes spawned by one parent do), and undoing
 that registration would drop the creator's own, leaking the segment if it crashes.
@@ -29,8 +32,9 @@ from multiprocessing import shared_memory
 
 import torch
 
+from common.kv.segments import MAGIC, segment_name
+
 HEADER_BYTES = 4096  # keeps the tensor page-aligned
-MAGIC = b"PDKVSHM1"
 TOKEN_BYTES = 16
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
@@ -49,21 +53,24 @@ class SharedTensor:
 
     Args:
         shape, dtype: of the tensor.
-        name: ``None`` creates a new zero-filled segment with a fresh ``token``; a name
-            attaches to an existing one, which must carry ``token``.
+        name: ``None`` creates a new zero-filled segment with a fresh ``token``, named
+            ``<stem>.<pid>-<start>.<random>``; a name attaches to an existing one, which
+            must carry ``token``.
+        stem: a new segment's name stem (``segments.segment_stem``: deployment, worker).
     Raises:
         SegmentError: attaching to a segment that fails a check (see the module).
         FileNotFoundError: no segment of that name (on this host's ``/dev/shm``).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None,
-                 token: bytes = b""):
+                 token: bytes = b"", stem: str = "pdkv.local.node"):
         if any(d < 0 for d in shape):
             raise ValueError(f"SharedTensor shape {shape} has a negative dimension")
         nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
         self.owner = name is None
         if self.owner:
-            self._shm = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + nbytes)
+            self._shm = shared_memory.SharedMemory(segment_name(stem), create=True,
+                                                   size=HEADER_BYTES + nbytes)
             self.name, buffer = self._shm.name, self._shm.buf
             self.token = secrets.token_bytes(TOKEN_BYTES)
             buffer[:len(MAGIC) + TOKEN_BYTES + 8] = (MAGIC + self.token

@@ -132,6 +132,12 @@ METRICS: tuple[MetricDef, ...] = (
               "the context) are refused as such, not counted here.", ("reason",), "router"),
     MetricDef("pdkv_requests_total", "counter", "Finished requests by final reason (stop, "
               "length, aborted, error, timeout).", ("reason",), "router"),
+    MetricDef("pdkv_migrations_total", "counter", "Requests the router moved to other "
+              "workers, by cause: decode_lost, prefill_lost, colocated_lost (the worker died "
+              "or went silent past its lease), kv_lost (the decode's transfer lost its "
+              "prefill), drained (the worker drained past drain_timeout_s). The workers free "
+              "what they held for the attempt that moved with reason migrated.",
+              ("cause",), "router"),
     MetricDef("pdkv_prompt_tokens_total", "counter", "Prompt tokens of the requests a worker "
               "prefilled (cached prefix included)."),
     MetricDef("pdkv_generation_tokens_total", "counter", "Tokens a worker generated."),

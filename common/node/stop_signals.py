@@ -1,4 +1,5 @@
-"""SIGTERM and SIGINT stop a worker process, but never in the middle of a step.
+"""SIGTERM and SIGINT stop a worker process, but never in the middle of a step; a serving
+worker takes its first SIGTERM as "drain" instead.
 
 A signal handler raises where the main thread happens to be. Raised inside a step, the
 exit can cut a cache operation or a tensor-parallel broadcast in two: rank 0 of a group
@@ -6,18 +7,23 @@ that took its pending ops for a step and never sent them closes with its followe
 holding pages rank 0 freed (their free logs then report a leak, rightly). So while a step
 runs (``held``) a signal is only noted, and the step ends before the exit is raised; at
 any other moment (building, registering, an idle wait) it is raised at once, as before.
+
+A worker that serves installs a drain hook (``drain_with``): its first SIGTERM only calls
+the hook (the worker stops taking requests, ends what it holds, then exits cleanly:
+docs/operations.md, "Draining"); a second SIGTERM, or SIGINT, stops it as above.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _STOPS = (signal.SIGTERM, signal.SIGINT)
 _held = False
 _pending: int | None = None
+_drain: Callable[[], None] | None = None
 
 
 def _exit(signum: int) -> BaseException:
@@ -25,7 +31,11 @@ def _exit(signum: int) -> BaseException:
 
 
 def _on_signal(signum: int, _frame) -> None:
-    global _pending
+    global _pending, _drain
+    if signum == signal.SIGTERM and _drain is not None:
+        hook, _drain = _drain, None   # once: the next SIGTERM stops the process
+        hook()
+        return
     if not _held:
         raise _exit(signum)
     if _pending is None:
@@ -37,6 +47,13 @@ def install() -> None:
     ``KeyboardInterrupt``), deferred while a step is ``held``. Main thread only."""
     for sig in _STOPS:
         signal.signal(sig, _on_signal)
+
+
+def drain_with(hook: Callable[[], None] | None) -> None:
+    """The next SIGTERM calls ``hook`` (in the main thread, between two bytecodes: it
+    should only note the request) instead of stopping; ``None`` removes it."""
+    global _drain
+    _drain = hook
 
 
 @contextmanager

@@ -11,6 +11,11 @@ A worker is a function: build, report ready, loop, exit cleanly::
         -> abandon (end every request, keep the pools) -> Register again every
            heartbeat for ``rejoin_s`` -> Registered (same config) -> Ready -> loop
 
+    SIGTERM while serving (a second one, or SIGINT, stops at once):
+        -> Drain to the router, serve on (the router routes nothing new here and moves
+           what is left after ``drain_timeout_s``) -> Shutdown -> close; holding
+           nothing, it waits for that Shutdown one heartbeat at most
+
 Constructing a worker touches no network: tests build one over a fake ``ControlLink``
 and call ``start(config)``, ``dispatch(msg)`` and ``tick()`` directly. The loop
 alternates control messages from the router, one ``tick`` of work, and ``Load`` reports
@@ -35,6 +40,7 @@ from common.config import ServeConfig
 from common.control import (
     Abort,
     ControlLink,
+    Drain,
     Error,
     Link,
     Load,
@@ -53,7 +59,7 @@ from common.control import (
 )
 from common.freelog import configure as configure_freelog
 from common.freelog import freelog_file, log_problems
-from common.kv import KvCache
+from common.kv import KvCache, reclaim_orphans, segment_stem
 from common.model import Model, ModelRunner
 from common.node import stop_signals
 from common.node.registration import RouterLost, check_deployment, register
@@ -118,6 +124,11 @@ class WorkerBase(ABC):
         self.stopping = False
         self._last_router = self._next_load = 0.0
         self.paused = ""  # why no new work is admitted (a free log cannot write); "" admits
+        self.drain_asked = False
+        """A SIGTERM came while serving: drain (``_tick_drain``)."""
+        self.draining = 0.0
+        """When this worker began draining; 0: it is not."""
+        self._drain_wait = 0.0
         self.counting = WorkerMetrics(self.role, self.metric_readings)
         self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
@@ -144,6 +155,7 @@ class WorkerBase(ABC):
         configure_freelog(max_buffer_bytes=config.freelog_max_buffer_kib << 10)
         if config.debug_build_delay_s:  # test aid: a checkpoint that loads slowly
             time.sleep(config.debug_build_delay_s)
+        self.reclaim_segments()   # a killed worker of this deployment may have left some
         self.build()
         self.built = True
         self._last_router = self._next_load = time.monotonic()
@@ -184,7 +196,7 @@ class WorkerBase(ABC):
         draft = Model(dcfg, device=self.device) if dcfg else None
         cache = KvCache(num_pages, cfg.page_size, layout=cfg.kv_layout(), device=self.device,
                         log_path=freelog_file(self.log_dir, self.name), node=self.name,
-                        max_rows=cfg.max_rows,
+                        max_rows=cfg.max_rows, segment=segment_stem(self.deployment, self.name),
                         shared_memory=shared_memory and torch.device(self.device).type == "cpu")
         self.cache = cache
         self.counting.watch(cfg, cache)
@@ -223,18 +235,54 @@ class WorkerBase(ABC):
 
     # -- loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        stop_signals.drain_with(self._ask_drain)
+        try:
+            self._serve_loop()
+        finally:
+            stop_signals.drain_with(None)
+
+    def _serve_loop(self) -> None:
         while not self.stopping:
             try:
                 with stop_signals.held():
                     self.poll_control()
             except RouterLost as exc:
+                if self.draining:   # leaving anyway: nothing to rejoin for
+                    logger.warning("%s: %s while draining; stopping", self.name, exc)
+                    self.stopping = True
+                    break
                 self._rejoin(exc)
                 continue
+            self._tick_drain()
+            if self.stopping:
+                break
             busy = self._tick()
             if not busy:
                 if self.config.debug_integrity and self.cache is not None:
                     self.cache.check_integrity()
                 wait_any([*self.link.sockets(), *self.sockets()], self.idle_wait_s())
+
+    def _ask_drain(self) -> None:
+        """SIGTERM's hook: note it only (it runs inside whatever the loop was doing)."""
+        self.drain_asked = True
+
+    def _tick_drain(self) -> None:
+        """After a SIGTERM: ask the router to drain this worker, and give up waiting for
+        its ``Shutdown`` after ``drain_timeout_s`` + ``lease_s`` (holding nothing, after
+        one heartbeat: a router that is gone must not hold an idle worker up)."""
+        now = time.monotonic()
+        if self.drain_asked and not self.draining:
+            held = self.num_requests()
+            self.draining = now
+            self._drain_wait = (self.config.drain_timeout_s + self.config.lease_s if held
+                                else self.config.heartbeat_s)
+            logger.warning("%s: SIGTERM: draining (%d requests held); a second SIGTERM "
+                           "stops at once", self.name, held)
+            self.link.send(Drain(self.name))
+        elif self.draining and now - self.draining > self._drain_wait:
+            logger.warning("%s: no shutdown from the router %.1f s into the drain; "
+                           "stopping", self.name, now - self.draining)
+            self.stopping = True
 
     def _tick(self) -> bool:
         try:
@@ -276,11 +324,11 @@ class WorkerBase(ABC):
         elif isinstance(msg, Req):
             trace.mark(f"{self.role}.req_in", msg.rid)
             self.counting.on_req(msg)
-            self.on_req(msg)
+            self._contained(msg.rid, self.on_req, msg)
         elif isinstance(msg, Abort):
-            self.on_abort(msg.rid)
+            self._contained(msg.rid, self.on_abort, msg.rid, msg.reason or "aborted")
         elif isinstance(msg, Stop):
-            self.on_stop(msg.rid)
+            self._contained(msg.rid, self.on_stop, msg.rid)
         elif isinstance(msg, Shutdown):
             logger.info("%s: shutdown requested", self.name)
             self.stopping = True
@@ -293,6 +341,17 @@ class WorkerBase(ABC):
             self.link.errors["unexpected"] += 1
             self.link.send(Error(getattr(msg, "rid", ""), f"{self.name}: a {self.role} "
                                  f"worker does not take {type(msg).__name__}", "unexpected"))
+
+    def _contained(self, rid: str, handler, *args) -> None:
+        """Run one request's handler; whatever it raises fails that request alone (the
+        router hears ``Error`` and ends it), never the worker."""
+        try:
+            with stop_signals.held():
+                handler(*args)
+        except Exception as exc:
+            logger.exception("%s: %s: handling %s failed", self.name, rid, handler.__name__)
+            self.link.send(Error(rid, f"{self.name} could not serve {rid!r} "
+                                 f"({type(exc).__name__}: {exc}); retry it", "refused"))
 
     # -- recovery ------------------------------------------------------------------------
     def _rejoin(self, lost: RouterLost) -> None:
@@ -341,6 +400,14 @@ class WorkerBase(ABC):
         pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
         self.link.send(Ready(self.name, self.kv_address(), pool))
         logger.warning("%s: registered again with the router; serving", self.name)
+
+    def reclaim_segments(self) -> None:
+        """Unlink the shared-memory segments of this deployment's dead workers (at start,
+        and whenever a KV peer is declared lost)."""
+        try:
+            reclaim_orphans(self.deployment)
+        except Exception:  # never worth a worker: the next chance comes soon
+            logger.exception("%s: reclaiming dead workers' shared memory failed", self.name)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -400,8 +467,10 @@ class WorkerBase(ABC):
         """A request routed to this worker."""
 
     @abstractmethod
-    def on_abort(self, rid: str) -> None:
-        """The router aborts ``rid`` (client abort, or its other worker ended it)."""
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
+        """The router aborts ``rid`` (client abort, or its other worker ended it:
+        ``aborted``) or moved it to another worker (``migrated``): free it with
+        ``reason``."""
 
     def on_stop(self, rid: str) -> None:
         """The router's text route ended ``rid``'s output (a stop string): a worker that
@@ -437,6 +506,11 @@ class WorkerBase(ABC):
     def load(self) -> Load:
         """The load report sent every ``heartbeat_s``."""
         return Load(self.name, running=0, queued=0, free_tokens=0)
+
+    def num_requests(self) -> int:
+        """Requests this worker holds in any stage (a drain waits for them)."""
+        load = self.load()
+        return load.running + load.queued
 
     def stats(self) -> dict:
         """Final counters (``Stats``): names to numbers."""

@@ -136,6 +136,7 @@ def _add_serving(sub) -> None:
     _add_serve(sub)
     _add_frontend(sub)
     _add_top(sub)
+    _add_drain(sub)
     _add_router(sub)
     _add_prefill(sub)
     _add_decode(sub)
@@ -265,6 +266,12 @@ def _run_top(args: argparse.Namespace) -> int:
     from deploy.cli.top import main as top_main
 
     return top_main(args)
+
+
+def _add_drain(sub) -> None:
+    from deploy.cli.drain import add_parser
+
+    add_parser(sub)
 
 
 def _add_router(sub) -> None:

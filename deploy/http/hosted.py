@@ -62,6 +62,9 @@ class LocalHub(ControlHub):
     def recv(self, timeout_s: float) -> tuple[bytes, Message | Malformed, str] | None:
         return self.hub.recv(timeout_s)
 
+    def take_disconnects(self) -> int:
+        return self.hub.take_disconnects()   # a worker's death is noticed here too
+
     @property
     def refused(self) -> int:
         return self.hub.refused

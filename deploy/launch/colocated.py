@@ -53,10 +53,10 @@ class ColocatedWorker(WorkerBase):
         self._computed: list[Request] = []
         watch_host(self.metrics, self.scheduler.offloader)
 
-    def on_abort(self, rid: str) -> None:
+    def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
         if req is not None:
-            self.scheduler.end(req, "aborted")
+            self.scheduler.end(req, reason)
 
     def on_stop(self, rid: str) -> None:
         req = self.scheduler.find(rid)
@@ -73,7 +73,8 @@ class ColocatedWorker(WorkerBase):
         except ValueError as exc:
             self.send(Done(rid, "error", error=str(exc)))
             return
-        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label))
+        self.scheduler.enqueue(Request(rid, prompt, params, label=msg.label,
+                                       num_prior=msg.prior))
 
     def tick(self) -> bool:
         self.scheduler.reap()
@@ -149,7 +150,7 @@ class ColocatedWorker(WorkerBase):
         rows = [*range(len(seqs)), *(len(seqs) + i for i, _ in ended)]
         reqs = [*seqs, *(r for _, r in ended)]
         tokens = sample(logits[rows], [r.params for r in reqs], [r.label for r in reqs],
-                        [len(r.output) for r in reqs])
+                        [r.sample_step for r in reqs])
         for req, tok in zip(reqs[len(seqs):], tokens[len(seqs):]):
             req.output.append(tok)
             trace.mark("colocated.sampled", req.rid)
@@ -186,6 +187,10 @@ class ColocatedWorker(WorkerBase):
 
     def load(self) -> Load:
         return self.scheduler.load(running=len(self.engine.tasks))
+
+    def num_requests(self) -> int:
+        admission = self.scheduler.admission
+        return len(admission.admitted) + len(admission.queue)
 
     def stats(self) -> dict:
         return self.scheduler.stats({"tokens_computed": self.engine.num_tokens_computed,

@@ -42,6 +42,9 @@ class Result:
     """Last prefill chunk computed -> the decode holds all KV and the first token (wall
     clocks of both hosts; 0 colocated)."""
     kv_bytes: int = 0
+    migrations: int = 0
+    """How often the router moved the request to other workers (a worker died or
+    drained); its tokens are those of a run without the move."""
 
     @property
     def ok(self) -> bool:
@@ -214,6 +217,7 @@ def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
         res.t_done, res.reason, res.error = now, msg.reason, msg.error
         res.xfer_s, res.kv_bytes = msg.xfer_s, msg.kv_bytes
         res.final_text, res.prompt_tokens = msg.text, msg.prompt_tokens
+        res.migrations = msg.migrations
         return True
     if isinstance(msg, Error):
         res.t_done, res.reason, res.error = now, "error", msg.error

@@ -31,6 +31,7 @@ class RouterMetrics:
         self._ttft = self.node.histogram("pdkv_ttft_seconds")
         self._tpot = self.node.histogram("pdkv_tpot_seconds")
         self._e2e = self.node.histogram("pdkv_e2e_latency_seconds")
+        self._migrations = self.node.counter("pdkv_migrations_total")
         self._timing: dict[str, list[float]] = {}   # rid -> [t_submit, t_first, t_last, n]
         self.server: MetricsServer | None = None
 
@@ -59,6 +60,13 @@ class RouterMetrics:
             timing[1] = now
             self._ttft.observe(now - timing[0])
         timing[2], timing[3] = now, timing[3] + n
+
+    def moved(self, old: str, new: str, cause: str) -> None:
+        """A request's next attempt got id ``new`` (``deploy.router.migration``): count
+        the move by its ``cause``; the request's timings go on under the new id."""
+        self._migrations.labels(cause=cause).inc()
+        if (timing := self._timing.pop(old, None)) is not None:
+            self._timing[new] = timing
 
     def finished(self, rid: str, reason: str) -> None:
         timing = self._timing.pop(rid, None)

@@ -32,12 +32,15 @@ class WorkerInfo:
     stats: dict | None = None
     paused: str = ""
     """Why the worker admits no new requests (from its ``Load``); empty: it does."""
+    draining: float = 0.0
+    """When it began draining (``deploy.router.drain``: no new requests); 0: it is not."""
 
 
 def live(workers: Iterable[WorkerInfo], *roles: str) -> list[WorkerInfo]:
-    """Workers of ``roles`` that take new requests: ready, not lost, not paused."""
+    """Workers of ``roles`` that take new requests: ready, not lost, not paused, not
+    draining."""
     return [w for w in workers if w.role in roles and w.ready and not w.lost
-            and not w.paused]
+            and not w.paused and not w.draining]
 
 
 def max_tokens(workers: Iterable[WorkerInfo]) -> int:

@@ -15,6 +15,7 @@ from common.auth import role_of
 from common.control import (
     Abort,
     Done,
+    Drain,
     Error,
     Load,
     Malformed,
@@ -44,6 +45,7 @@ MAY_SEND: dict[type, tuple[str, ...]] = {
     Done: _WORKER, Prefilled: _WORKER, Error: _WORKER, MetricsReport: _WORKER,
     Submit: _CLIENT, Abort: _CLIENT, Status: _READER, Ping: _READER, MetricsQuery: _CLIENT,
     Shutdown: ("operator",),
+    Drain: ("operator", "worker"),   # a worker only itself (SIGTERM): the handler checks
     Malformed: ("worker", "client", "operator", "probe"),  # answered with its error only
 }
 

@@ -17,7 +17,9 @@ Clients and workers connect DEALER sockets to the router's one ROUTER socket
    ``stop``), and ``done`` once the decode
    finished and the prefill reported its transfer (or a short grace period passed);
 5. forwards client aborts to both workers; an unknown rid is an error to the client;
-6. fails requests of a worker silent past the lease, and requests past their deadline.
+6. notices a worker's death as its connection closes (a SIGSTOPped one when its lease
+   runs out) and moves its requests to other workers (``deploy.router.migration``); fails
+   requests past their deadline.
 
 With a key directory every peer authenticates with CURVE and the router checks what its
 identity may do (``deploy.router.roles``, docs/security.md): workers of this deployment only
@@ -30,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from common.control import (
     Bye,
     ControlHub,
     Done,
+    Drain,
     Error,
     Hub,
     Load,
@@ -60,7 +62,6 @@ from common.control import (
     Ready,
     Register,
     Registered,
-    Req,
     Shutdown,
     Stats,
     Status,
@@ -71,11 +72,14 @@ from common.control import (
     Tokens,
     pack_ids,
 )
+from common.kv import reclaim_orphans
 from common.request import BadRequest, SamplingParams
 from deploy.router.door import Admitted, Door
+from deploy.router.drain import Draining
 from deploy.router.errors import Overloaded
 from deploy.router.metrics import RouterMetrics
-from deploy.router.placement import WorkerInfo, admits_at_once, pick
+from deploy.router.migration import Migrations
+from deploy.router.placement import WorkerInfo, pick
 from deploy.router.roles import is_operator, may_send
 from deploy.router.routes import Route, RouteTable
 from deploy.router.text_encoder import Job, TextEncoder
@@ -86,11 +90,14 @@ _ENCODING_POLL_S = 0.002
 """The loop's wait while texts are being encoded: a finished one is routed this soon."""
 _FAREWELL_S = 1.0
 """How long the Bye to whoever asked for shutdown may take to leave before the socket closes."""
+_PROBE_S = 0.3
+"""After a connection closed: how long the router keeps trying every worker's connection
+(a dead worker's is gone a moment after the event; sends to it then fail)."""
 _WORKER_MESSAGES = (Ready, Load, Stats, MetricsReport, StepTokens, Tokens, Done, Prefilled)
 """Accepted only from a peer that registered as a worker."""
 
 
-class Router:
+class Router(Migrations, Draining):
     """The router's state and message handlers; ``serve`` runs its loop.
 
     Args:
@@ -128,6 +135,10 @@ class Router:
         self.shutdown_by: bytes | None = None
         self.t_shutdown = 0.0
         self._next_ping = 0.0
+        self._probe_until = self._next_probe = 0.0
+        self._probe_gap = 0.0
+        self._reclaims: list[float] = []
+        """When to look for dead workers' shared memory again."""
         self._handlers: dict[type, Callable[[bytes, Message], None]] = {
             Register: self._on_register, Ready: self._on_ready, Load: self._on_load,
             Stats: self._on_stats, Tokens: self._on_tokens, Done: self._on_done,
@@ -135,7 +146,8 @@ class Router:
             Prefilled: self._on_prefilled, Submit: self._on_submit, Abort: self._on_abort,
             Status: self._on_status, Shutdown: self._on_shutdown, Ping: self._on_ping,
             Error: self._on_error, Malformed: self._on_malformed,
-            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query}
+            MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query,
+            Drain: self._on_drain}
         self.metrics = RouterMetrics(lambda: len(self.routes), lambda: len(self.encoder))
         if metrics_port is not None:
             self.metrics.serve_http(metrics_host, metrics_port)
@@ -162,7 +174,10 @@ class Router:
     def idle_wait_s(self) -> float:
         """Longest wait for a message before the next ``tick`` (short while texts are
         being encoded: a finished one is routed this soon)."""
-        return _ENCODING_POLL_S if len(self.encoder) else 0.05
+        wait = _ENCODING_POLL_S if len(self.encoder) else 0.05
+        if self._probe_until:   # a connection closed: look again soon
+            wait = min(wait, max(0.0, self._next_probe - time.monotonic()))
+        return wait
 
     def close(self) -> None:
         """Stop the encoding threads and the metrics server, close the socket."""
@@ -315,7 +330,8 @@ class Router:
         untouched)."""
         route = self.routes.get(msg.rid)
         if route is None:
-            self.errors["stray_report"] += 1
+            if not self.routes.retired(msg.rid):  # an attempt that moved on: expected
+                self.errors["stray_report"] += 1
             return None
         if self.by_peer.get(peer) != getattr(route, role):
             self._forbid(peer, msg, f"{msg.rid!r} was not given to "
@@ -335,14 +351,18 @@ class Router:
             return
         if msg.first:
             trace.mark(f"router.first_in_from_{role}", route.rid)
+        if role == "decode":
+            route.has_kv = True   # its first token comes with the prompt's KV
         if msg.t_kv_wall:
             route.t_kv_wall = msg.t_kv_wall
         ids = self._new_ids(route, msg)
         if not ids:
             return
+        route.streamed.extend(ids)    # a later attempt starts from them
         self.metrics.tokens(route.rid, len(ids))
         msg = dataclasses.replace(msg, rid=route.label, ids=ids, t_kv_wall=0.0,
-                                  first=msg.first and len(ids) == len(msg.ids))
+                                  first=msg.first and len(ids) == len(msg.ids)
+                                  and not route.prior)
         if route.text is not None:
             msg = self._text_tokens(route, msg)
         if msg.ids:
@@ -387,8 +407,10 @@ class Router:
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
         route = self._route_of(peer, msg, "decode")
-        if route is None or route.decode_done is not None:
+        if route is None or route.decode_done is not None or self._moves_on_done(route, msg):
             return
+        if msg.ok and route.prior:   # the tokens of earlier attempts count too
+            msg = dataclasses.replace(msg, n=msg.n + route.prior)
         route.decode_done = msg
         route.t_grace = time.monotonic() + _PREFILL_GRACE_S
         self._release(route.decode, route.row_len)
@@ -401,7 +423,7 @@ class Router:
         if route is None or route.prefill_info is not None:
             return
         route.prefill_info = msg
-        self._release(route.prefill, route.prompt_len)
+        self._release(route.prefill, route.attempt_prompt_len)
         self._maybe_finalize(route)
 
     # -- clients -------------------------------------------------------------------------
@@ -435,7 +457,8 @@ class Router:
         self._route(Route(rid, label, peer, decode.name, prefill.name if prefill else "",
                           len(prompt), len(prompt) + params.max_new_tokens, t_submit,
                           text=admitted.text, prompt_ids=pack_ids(prompt) if
-                          admitted.options.return_token_ids else b""),
+                          admitted.options.return_token_ids else b"",
+                          prompt=pack_ids(prompt), params=params),
                     prompt, params, decode, prefill)
         trace.mark("router.submit_in", rid, t_in)
         trace.mark("router.req_out", rid)
@@ -468,23 +491,13 @@ class Router:
 
     def _route(self, route: Route, prompt: list[int], params: SamplingParams,
                decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
-        route.cap = secrets.token_hex(16)  # KV only to these two workers (docs/security.md)
         self.routes.add(route)
         # admitted: the client hears it now (the HTTP edge answers 200 on it), with the
         # prompt's length as served
         self.hub.send(route.client, Tokens(route.label, [], prompt_tokens=route.prompt_len))
         self.metrics.submitted(route.rid, route.t_submit)
-        eager = admits_at_once(decode, route.row_len, self.config)
-        decode.assigned += route.row_len
-        decode.routed += 1
-        req = Req(route.rid, pack_ids(prompt), params.to_dict(), prefill=route.prefill,
-                  prefill_addr=prefill.kv_addr if prefill else "", decode=decode.name,
-                  eager=eager, label=route.label, cap=route.cap)
-        if prefill is not None:  # first: the first token comes from its prefill pass
-            prefill.assigned += len(prompt)
-            self._send_worker(prefill.name, req)
-        if self.routes.get(route.rid) is route:  # not failed by a prefill found gone
-            self._send_worker(decode.name, req)
+        self._start_attempt(route, decode, prefill)   # its capability, the load counts
+        self._send_attempt(route, prompt, params, prefill)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
         if self.encoder.cancel((peer, msg.rid)) is not None:
@@ -512,7 +525,8 @@ class Router:
     def _on_status(self, peer: bytes, msg: Status) -> None:
         self.hub.send(peer, StatusReport(
             workers={w.name: {"role": w.role, "ready": w.ready, "lost": w.lost, "pid": w.pid,
-                              "paused": w.paused} for w in self.workers.values()},
+                              "paused": w.paused, "draining": bool(w.draining)}
+                     for w in self.workers.values()},
             in_flight=len(self.routes) + len(self.encoder), config=self.config.to_dict(),
             errors={**self.errors, **({"unauthenticated": self.hub.refused}
                                       if self.hub.refused else {})},
@@ -566,7 +580,8 @@ class Router:
             self.hub.send(route.client, Done(route.label, reason, error=error))
         self.metrics.finished(route.rid, reason)
         self._release(route.decode, route.row_len if route.decode_done is None else 0)
-        self._release(route.prefill, route.prompt_len if route.prefill_info is None else 0)
+        self._release(route.prefill, route.attempt_prompt_len if route.prefill_info is None
+                      else 0)
         for name in (route.decode, route.prefill):
             if name and route.decode_done is None:
                 self._send_worker(name, Abort(route.rid))
@@ -576,22 +591,26 @@ class Router:
             return
         w.lost = True
         self.metrics.lost(w.name, w.role)
-        logger.error("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
-        for route in self.routes:
-            # a prefill that reported its part (the decode holds every page) owes nothing
-            owes = (w.name == route.decode or (w.name == route.prefill
-                                                and route.prefill_info is None))
-            if owes and route.decode_done is None:
-                self._fail(route, "error", f"worker {w.name} lost: {why}")
+        # after a shutdown every worker leaves: expected, not an error
+        log = logger.info if self.shutdown_by is not None else logger.error
+        log("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)
+        self._rescue_routes(w, why)
+        # its shared memory, if it died on this host: now, and again once it surely
+        # finished dying (its connections close before the process is gone)
+        reclaim_orphans(self.deployment)
+        self._reclaims += [time.monotonic() + 1.0, time.monotonic() + self.config.lease_s]
 
     def tick(self, now: float) -> None:
         """Timed work: encoded texts, pings, leases, grace periods, request deadlines."""
         self._tick_encoded(now)
+        self._tick_probes(now)
+        self._tick_drains(now)
+        if self._reclaims and now >= min(self._reclaims):
+            self._reclaims = [t for t in self._reclaims if t > now]
+            reclaim_orphans(self.deployment)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_s
-            for w in self.workers.values():
-                if not w.lost:
-                    self.hub.send(w.peer, Ping())
+            self._probe("unreachable")
         for w in list(self.workers.values()):
             # a worker building its model answers nothing: startup has its own deadline
             limit = self.config.lease_s if w.ready else self.config.ready_timeout_s
@@ -604,6 +623,32 @@ class Router:
             elif route.decode_done is None and now - route.t_submit > \
                     self.config.request_timeout_s:
                 self._fail(route, "timeout", f"no result in {self.config.request_timeout_s}s")
+
+    def _tick_probes(self, now: float) -> None:
+        """A connection closed: ping every worker now and a few times more over the next
+        ``_PROBE_S`` (its connection is gone from the socket a moment after the event),
+        so a killed worker is lost within milliseconds, not after its lease."""
+        if self.hub.take_disconnects():
+            self._probe_until, self._next_probe, self._probe_gap = now + _PROBE_S, now, 0.005
+        if not self._probe_until or now < self._next_probe:
+            return
+        self._probe("its connection closed")
+        self._next_probe, self._probe_gap = now + self._probe_gap, 2 * self._probe_gap
+        if now >= self._probe_until:
+            self._probe_until = 0.0
+
+    def _probe(self, why: str) -> None:
+        """Ping every worker; one whose connection is gone is lost (``why``). Not after a
+        shutdown: every worker leaves then, and ``shutdown_complete`` waits for each
+        one's final figures (a worker lost meanwhile would not be waited for)."""
+        if self.shutdown_by is not None:
+            for w in self.workers.values():
+                if not w.lost:
+                    self.hub.send(w.peer, Ping())
+            return
+        for w in list(self.workers.values()):
+            if not w.lost and not self.hub.send(w.peer, Ping()):
+                self._lose(w, why)
 
     def shutdown_complete(self) -> bool:
         """After a shutdown: True (and ``Bye`` sent to its sender) once every live, ready

@@ -5,21 +5,29 @@ unique across router restarts), which is what workers, transports and free logs 
 Messages back to the client carry the label again. A client may not reuse a label while
 its request is still in flight (its aborts would be ambiguous); once it ended, the label
 is free, so a seeded workload runs again against the same deployment.
+
+A request the router moved to other workers (``deploy.router.migration``) gets a new id
+per attempt, the attempt's number appended (``label#run-n~1``): every attempt has rows
+and transfers of its own, and reports about an earlier attempt are told apart from
+strays (``retired``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from common.control import Done, Prefilled
-from common.request import BadRequest
+from common.request import BadRequest, SamplingParams
 from deploy.router.text_route import TextRoute
 
 MAX_LABEL = 256
 """Longest client rid: the router's id (``label#run-n``) stays within what the KV
 transport carries (512)."""
+_RETIRED = 4096
+"""Ids of earlier attempts remembered, so that their late reports are dropped quietly."""
 
 
 @dataclass
@@ -52,6 +60,26 @@ class Route:
     """The prompt's ids for the client (it asked: ``return_token_ids``)."""
     cap: str = ""
     """The KV capability only this request's decode and prefill get (docs/security.md)."""
+    prompt: bytes = b""
+    """The prompt's ids (``pack_ids``): a new attempt starts from them."""
+    params: SamplingParams | None = None
+    """The sampling parameters as admitted."""
+    streamed: list[int] = field(default_factory=list)
+    """Every output id relayed towards the client so far, over all attempts."""
+    migrations: int = 0
+    """Attempts before this one (how often the request moved)."""
+    prior: int = 0
+    """Output ids of earlier attempts: this attempt's prompt ends with them."""
+    eager: bool = False
+    """This attempt's decode surely admits at once: its prefill need not wait."""
+    has_kv: bool = False
+    """This attempt's decode holds the prompt's KV (it streamed a token): its prefill
+    owes nothing more."""
+
+    @property
+    def attempt_prompt_len(self) -> int:
+        """Prompt tokens this attempt's prefill computes (the prompt and ``prior``)."""
+        return self.prompt_len + self.prior
 
     def final(self, done: Done | None = None) -> Done:
         """The client's ``Done``: the decode's (or ``done``), with the prefill's figures
@@ -63,7 +91,7 @@ class Route:
                                            n=self.text.num_ids)
             done = dataclasses.replace(done, text=self.text.text)
         out = dataclasses.replace(done, rid=self.label, prompt_tokens=self.prompt_len,
-                                  prompt_ids=self.prompt_ids)
+                                  prompt_ids=self.prompt_ids, migrations=self.migrations)
         if self.aborted_by_client and not done.ok:
             out = dataclasses.replace(out, reason="aborted")  # a race may say "error"
         if info is None:
@@ -97,6 +125,7 @@ class RouteTable:
         self._next = 0
         self._by_rid: dict[str, Route] = {}
         self._by_label: dict[tuple[bytes, str], str] = {}
+        self._retired: OrderedDict[str, None] = OrderedDict()
 
     def new_rid(self, client: bytes, label: str) -> str:
         """An id for a new submission of ``label`` by ``client``.
@@ -121,6 +150,26 @@ class RouteTable:
 
     def get(self, rid: str) -> Route | None:
         return self._by_rid.get(rid)
+
+    def next_attempt(self, route: Route) -> str:
+        """Give ``route`` the id of its next attempt (``<first id>~<n>``); the id of the
+        attempt it leaves is ``retired``."""
+        old = route.rid
+        first = old.rsplit("~", 1)[0] if route.migrations else old  # a label may hold "~"
+        new = f"{first}~{route.migrations + 1}"
+        del self._by_rid[old]
+        self._by_rid[new] = route
+        self._by_label[(route.client, route.label)] = new
+        route.rid = new
+        self._retired[old] = None
+        while len(self._retired) > _RETIRED:
+            self._retired.popitem(last=False)
+        return new
+
+    def retired(self, rid: str) -> bool:
+        """``rid`` named an attempt of a request that moved on (late reports about it
+        are expected, not strays)."""
+        return rid in self._retired
 
     def of_client(self, client: bytes, label: str) -> Route | None:
         rid = self._by_label.get((client, label))
