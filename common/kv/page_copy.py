@@ -22,6 +22,11 @@ How each run moves (measured on a 2-core CPU; one frame or copy per run, never p
   speed on an int64 view; ``index_copy_`` (a scatter) only when the destination is
   scattered too. Index ops on narrow dtypes run several times slower.
 - Otherwise (CUDA <-> host): one ``copy_`` per run.
+
+``copy_pages_fed`` is the CPU-to-CPU copy of whole pages for a caller that also digests
+the source (the shared-memory path): on one thread, each ``FEED_CHUNK_BYTES`` handed to
+the digest right after its copy, while it is in cache, instead of a second pass over
+memory (the split copy is faster alone but leaves the digest a pass from memory).
 """
 
 from __future__ import annotations
