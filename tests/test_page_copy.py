@@ -289,3 +289,32 @@ def test_gpu_scattered_pages_to_and_from_pinned_host_are_byte_exact(host_scatter
         assert torch.equal(back[idx], dev[idx])
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("chunk", [1000, 64 << 10, 1 << 20])
+def test_a_fed_copy_feeds_the_digest_of_its_source_pages(chunk):
+    """``copy_pages_fed`` lands what ``copy_pages`` lands, and what it feeds, in order, is
+    the run's canonical bytes: its xxh3 equals ``digest_of_pages`` of the source pages,
+    whatever the chunk size (one not dividing a page either) and however the pages break
+    into runs."""
+    from common.kv import RunDigest, copy_pages_fed, digest_of_pages
+    src = torch.randn((40, 2, 2, 16, 4, 32))                # 32 KiB float32 pages
+    dst = torch.zeros_like(src)
+    src_pages, dst_pages = np.array([3, 4, 5, 9, 12, 13, 30]), np.array([7, 8, 9, 2, 3, 4, 1])
+    fed = RunDigest()
+    assert copy_pages_fed(src, src_pages, dst, dst_pages, fed.feed, chunk) == len(
+        page_runs(src_pages, dst_pages))
+    assert torch.equal(dst, _reference(src, src_pages, torch.zeros_like(src), dst_pages))
+    assert fed.value() == digest_of_pages("xxh3_64", src, src_pages)
+    assert fed.value() != digest_of_pages("xxh3_64", src, src_pages[::-1].copy())
+
+
+def test_a_fed_copy_refuses_bad_pages_before_writing_or_feeding():
+    from common.kv import copy_pages_fed
+    src, dst = torch.randn(8, 1, 2, 4, 2, 8), torch.zeros(8, 1, 2, 4, 2, 8)
+    fed = []
+    with pytest.raises(IndexError):
+        copy_pages_fed(src, np.array([1, 8]), dst, np.array([1, 2]), fed.append)
+    with pytest.raises(ValueError, match="2 source pages but 1"):
+        copy_pages_fed(src, np.array([1, 2]), dst, np.array([1]), fed.append)
+    assert not fed and not dst.any()

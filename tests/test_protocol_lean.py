@@ -262,19 +262,22 @@ def test_a_byte_flipped_in_a_frame_in_flight_fails_only_its_request(tmp_path):
 def test_a_byte_flipped_in_a_shared_page_after_the_write_fails_only_its_request(
         tmp_path, monkeypatch):
     import transport.shm as shm
-    real = shm.copy_pages
     armed = []
 
-    def corrupting(src, src_pages, dst, dst_pages, **kw):
-        out = real(src, src_pages, dst, dst_pages, **kw)
-        if armed:
-            armed.clear()
-            _flip(dst[int(dst_pages[0])])                    # after the prefill's write
-        return out
+    def corrupting(real):
+        def copy(src, src_pages, dst, dst_pages, *args, **kw):
+            out = real(src, src_pages, dst, dst_pages, *args, **kw)
+            if armed:
+                armed.clear()
+                _flip(dst[int(dst_pages[0])])                # after the prefill's write
+            return out
+        return copy
 
     def arm(pair):
         assert pair.tx.link.shm, "the decode pool should be mapped"
-        monkeypatch.setattr(shm, "copy_pages", corrupting)
+        # whole heads with integrity on copy and digest in one pass (copy_pages_fed)
+        for name in ("copy_pages", "copy_pages_fed"):
+            monkeypatch.setattr(shm, name, corrupting(getattr(shm, name)))
         armed.append(True)
     events, pair, rows = _victim_and_neighbour(tmp_path, arm, shared=True)
     assert pair.rx.stats["shm_writes_recv"] > 0
@@ -378,3 +381,49 @@ def test_a_post_that_fails_fails_only_its_request_with_an_abort(tmp_path, monkey
     for log in (pair.p_log, pair.d_log):
         report = replay_file(log)
         assert report.ok, report.format()
+
+
+@pytest.mark.parametrize("heads", [slice(0, 2), slice(1, 2)])
+def test_a_shared_memory_piece_digest_is_its_source_runs_digest(monkeypatch, heads):
+    """The shared-memory copy digests its source as it copies when the leg carries every
+    head (one pass), else after the copy: either way the ``KvWritten`` digest equals
+    ``digest_of_pages`` of the source pages restricted to the leg's heads, and the decode
+    pool holds those bytes."""
+    import transport.shm as shm
+    from common.kv import SharedTensor, digest_of_pages
+    from transport.channel import BlockRun
+    from transport.pool_view import HostPoolView
+
+    class Router:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, peer, frames):
+            self.sent.append((peer, frames))
+
+    fed = []
+    real_fed = shm.copy_pages_fed
+    monkeypatch.setattr(shm, "copy_pages_fed", lambda *a, **kw: fed.append(1) or real_fed(
+        *a, **kw))
+    src = torch.randn((12, 2, 2, 4, 2, 8)).to(torch.float16)
+    mapped = SharedTensor(tuple(src.shape), torch.float16)
+    try:
+        mapped.tensor.zero_()
+        chan = shm.ShmChannel(Router(), HostPoolView(src), mapped, heads, Counter(),
+                              max_piece_bytes=3 * HostPoolView(src).block_bytes(
+                                  heads.stop - heads.start))
+        src_pages, dest_pages = np.array([2, 3, 4, 7, 9]), np.array([5, 6, 1, 2, 3])
+        run = BlockRun(peer=b"d", rid="r", first_block=0, src_pages=src_pages,
+                       dest_pages=dest_pages, heads=(heads.start, heads.stop),
+                       src_heads=heads, dest_epochs=np.ones(5, np.uint64),
+                       digest="xxh3_64")
+        posted = chan.send_blocks(run)
+        digests = [e[5] for e in posted.entries]
+        assert len(digests) == 2                            # pieces of 3 and 2 blocks
+        assert len(fed) == (2 if heads == slice(0, 2) else 0)   # one pass: every head
+        assert digests == [digest_of_pages("xxh3_64", src, src_pages[:3], heads),
+                           digest_of_pages("xxh3_64", src, src_pages[3:], heads)]
+        got = mapped.tensor[dest_pages][:, :, :, :, heads]
+        assert torch.equal(got, src[src_pages][:, :, :, :, heads])
+    finally:
+        mapped.close()   # its creator: the segment goes too

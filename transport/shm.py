@@ -25,9 +25,18 @@ import socket
 from collections import Counter
 from functools import cache
 
-from common.kv import KvLayout, SegmentError, SharedTensor, copy_pages, digest_of_pages
+from common.kv import (
+    KvLayout,
+    RunDigest,
+    SegmentError,
+    SharedTensor,
+    copy_pages,
+    copy_pages_fed,
+    digest_of_pages,
+)
 
 from .channel import BlockRun, DataChannel, Posted
+from .integrity import XXH3
 from .messages import Hello, KvWritten, encode
 from .pool_view import HostPoolView
 from .sockets import RouterSocket
@@ -99,12 +108,7 @@ class ShmChannel(DataChannel):
         posted, n = Posted(), len(run.src_pages)
         for start in range(0, n, step):
             end = min(n, start + step)
-            src = run.src_pages[start:end]
-            copy_pages(self.pool.shaped, src, self.dest.shaped, run.dest_pages[start:end],
-                       src_heads=run.src_heads, dst_heads=self.dst_heads)
-            # the source run, just read by the copy: what the decode must find in its pages
-            digest = digest_of_pages(run.digest, self.pool.data, src, run.src_heads) \
-                if run.digest else None
+            digest = self._copy(run, start, end)
             msg = KvWritten(**run.piece(start, end), digest=digest)
             self.router.send(run.peer, [encode(msg)])  # EHOSTUNREACH reaches the caller
             posted.entries.append(run.entry(start, end, digest))
@@ -112,6 +116,22 @@ class ShmChannel(DataChannel):
             self.stats["sent.KvWritten"] += 1
             self.stats["bytes_sent"] += (end - start) * block
         return posted
+
+    def _copy(self, run: BlockRun, start: int, end: int) -> int | None:
+        """Copy blocks ``[start, end)`` of ``run``; the digest of their source bytes."""
+        src, dst = run.src_pages[start:end], run.dest_pages[start:end]
+        whole = (run.src_heads.stop - run.src_heads.start == self.pool.num_heads
+                 == self.dest.num_heads)
+        if run.digest == XXH3 and whole:
+            # one pass: each chunk of the source is digested while the copy has it in cache
+            h = RunDigest()
+            copy_pages_fed(self.pool.shaped, src, self.dest.shaped, dst, h.feed)
+            return h.value()
+        copy_pages(self.pool.shaped, src, self.dest.shaped, dst, src_heads=run.src_heads,
+                   dst_heads=self.dst_heads)
+        # the source run, just read by the copy: what the decode must find in its pages
+        return digest_of_pages(run.digest, self.pool.data, src, run.src_heads) \
+            if run.digest else None
 
     def close(self) -> None:
         """Drop the mapping (the decode owns and unlinks the segment)."""

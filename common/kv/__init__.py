@@ -21,6 +21,7 @@ __getattr__ = lazy_names(__name__, {
     "negotiate_digest": "common.kv.digest:negotiate",
     "preferred_digest": "common.kv.digest:preferred",
     "check_pages": "common.kv.page_copy", "copy_pages": "common.kv.page_copy",
+    "copy_pages_fed": "common.kv.page_copy",
     "page_runs": "common.kv.page_copy",
     "SegmentError": "common.kv.shared_tensor", "SharedTensor": "common.kv.shared_tensor",
     "valid_segment_name": "common.kv.shared_tensor"})
@@ -28,7 +29,8 @@ __getattr__ = lazy_names(__name__, {
 __all__ = ["DTYPE_BYTES", "PAGE_STATES", "CopyShare", "FreeReason", "KvCache", "KvLayout",
            "KvRecord", "OutOfPages", "PageAllocator", "PoolStats", "RangeError",
            "SegmentError", "SharedTensor", "ceil_align", "ceil_div", "check_pages",
-           "copy_pages", "copy_threads", "DigestMismatch", "RunDigest", "deployment_tag",
+           "copy_pages", "copy_pages_fed", "copy_threads", "DigestMismatch", "RunDigest",
+           "deployment_tag",
            "digest_of_bytes", "digest_of_pages", "digest_value", "negotiate_digest",
            "preferred_digest", "dtype_of", "offering", "page_runs", "reclaim_orphans",
            "segment_stem", "set_copy_threads", "valid_segment_name"]

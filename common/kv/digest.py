@@ -78,10 +78,12 @@ def of_bytes(algo: str, blocks: np.ndarray) -> int:
 
 class RunDigest:
     """Streaming digest of a run fed piece by piece in canonical order (xxh3 only; fold64
-    is computed over a whole run by ``of_pages``)."""
+    is computed over a whole run by ``of_pages``). ``feed`` takes a contiguous piece with
+    no checks (the copier's hook: ``common.kv.copy_pages_fed``)."""
 
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
+        self.feed = self._h.update
 
     def update(self, blocks: np.ndarray) -> None:
         self._h.update(np.ascontiguousarray(blocks))
