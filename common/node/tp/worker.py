@@ -41,6 +41,7 @@ from common.control import wait_any
 from common.freelog import freelog_file
 from common.kv import KvCache
 from common.model import ModelRunner, TpModel
+from common.node.pulse import Pulse
 from common.node.tp.cache import LeaderKvCache, RankPins
 from common.node.tp.endpoints import follower_endpoint
 from common.node.tp.host import follower_host
@@ -284,7 +285,7 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
         InsecureBind: a prefill rank asked to bind a public ``kv_bind`` without keys.
     """
     group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
-    mirror = None
+    mirror = pulse = None
     try:
         setup = json.loads(group.broadcast_bytes(TAG_CONFIG, None))
         setup["kv_auth"] = _fetch_kv_auth(setup, keys, identity, spec)
@@ -301,6 +302,10 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                              kv_advertise, group)
         counting = RankMetrics(setup.get("role", "colocated"), cache, endpoint, host)
         mirror = Mirror(runner, spec.rank, endpoint, group, host=host)
+        # this rank's KV peers get heartbeats while a long pass runs, as rank 0's do
+        pulse = Pulse(node, lambda: endpoint.heartbeat() if endpoint is not None else 0,
+                      config.heartbeat_s / 4, config.max_busy_s)
+        runner.around_pass = lambda: pulse.computing(config.debug_step_delay_s)
         mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
@@ -322,6 +327,8 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
             mirror.abandon()
         return 3
     finally:
+        if pulse is not None:
+            pulse.close()
         if mirror is not None:
             mirror.close_endpoint()
         group.close()
