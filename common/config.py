@@ -176,8 +176,9 @@ class ServeConfig:
     """Ranks of each decode worker's tensor-parallel group; a colocated worker is a group
     of ``decode_tp`` ranks. Prefill and decode sizes may differ (docs/cluster.md)."""
     tp_timeout_s: float = 30.0
-    """Deadline of every collective of a tensor-parallel group (rendezvous included): a
-    rank silent this long takes its group down."""
+    """Deadline of every collective of a tensor-parallel group once it joined: a rank
+    silent this long takes its group down. The rendezvous, where the ranks wait for each
+    other to start, is a startup wait: it gets ``ready_timeout_s``."""
     debug_integrity: bool = False
     """Workers run ``KvCache.check_integrity()`` whenever their loop is idle."""
     debug_copy_delay_s: float = 0.0
