@@ -280,8 +280,9 @@ def _serve_queued(cluster: Cluster, cfg: ServeConfig, reqs: list[WorkRequest]) -
     model = Model(cfg.model_config())
     ref = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
            for r in reqs}
-    results = drive(cluster.client, reqs, check=cluster.check, timeout_s=180,
-                    lease_s=cfg.lease_s)
+    # the client's own lease of the router is not under test: a loaded box may keep the
+    # router from answering a ping within these stories' 1 s worker lease
+    results = drive(cluster.client, reqs, check=cluster.check, timeout_s=180, lease_s=10.0)
     failed = {rid: r.error for rid, r in results.items() if not r.ok}
     assert failed == {}, f"{len(failed)}/{len(reqs)} requests failed: {failed}"
     assert {rid: r.output_ids for rid, r in results.items()} == ref
