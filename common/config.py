@@ -122,7 +122,14 @@ class ServeConfig:
     heartbeat_s: float = 1.0
     """Interval of heartbeats between router and workers and between KV peers."""
     lease_s: float = 10.0
-    """A peer (worker, router or KV peer) silent this long is declared lost."""
+    """A peer (worker, router or KV peer) silent this long is declared lost. A worker
+    busy with a long step is not silent: its heartbeats go on from a thread of their own
+    while the step runs (up to ``max_busy_s``)."""
+    max_busy_s: float = 120.0
+    """Longest a single step of a worker (a forward pass, a wait for its host tier) keeps
+    the worker alive by heartbeats sent from outside the step. A step that runs longer is
+    treated as hung: the heartbeats stop and its peers declare the worker lost after their
+    lease, as they do a stopped or dead one."""
     ready_timeout_s: float = 120.0
     """Startup deadline: the launcher waits this long for every process to report ready,
     and the router for a registered worker to build its model (instead of the lease)."""
@@ -132,7 +139,10 @@ class ServeConfig:
     that declared it lost while it was stopped); then it exits (status 3). 0: exit at
     once."""
     request_timeout_s: float = 600.0
-    """Router: a request with no result after this long fails with 'timeout'."""
+    """Router: a request with no result after this long fails with 'timeout'. It is also
+    the overall deadline of a request's KV transfer (``done_timeout_s`` of both KV
+    endpoints): however long a request waits in a live prefill's queue, it waits no
+    longer than its client does."""
     max_migrations: int = 3
     """Router: how often one request may move to other workers when a worker of it dies
     or drains (docs/operations.md, "Migration"); one more move fails it with an error
@@ -140,6 +150,17 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     """Router: a draining worker (``pdkv drain``, SIGTERM) finishes its requests for this
     long; what it still holds then moves to other workers, and it exits."""
+    kv_chunk_timeout_s: float = 60.0
+    """Longest gap between two KV messages of one request once its first came (decode),
+    or between two hand-overs once the prefill started it; also the longest wait for a
+    live peer's ``AbortAck``. Not the wait for a request's first KV: a request queued at
+    a live prefill waits as long as the prefill's heartbeats say it is alive, up to
+    ``request_timeout_s`` (docs/protocol.md, "Deadlines")."""
+    kv_handshake_timeout_s: float = 60.0
+    """Decode: longest wait for a prefill's (each of its ranks') answer to the KV
+    handshake. A prefill answers between its forward passes, so this must exceed its
+    longest pass under load (on a starved core a pass of a trained model can take tens
+    of seconds). Meanwhile a dead prefill is declared lost by the router's lease."""
     encode_threads: int = 2
     """Router: threads that encode text requests (tokenizer, chat template), off the loop
     that serves every other request and the heartbeats."""
@@ -155,13 +176,18 @@ class ServeConfig:
     """Ranks of each decode worker's tensor-parallel group; a colocated worker is a group
     of ``decode_tp`` ranks. Prefill and decode sizes may differ (docs/cluster.md)."""
     tp_timeout_s: float = 30.0
-    """Deadline of every collective of a tensor-parallel group (rendezvous included): a
-    rank silent this long takes its group down."""
+    """Deadline of every collective of a tensor-parallel group once it joined: a rank
+    silent this long takes its group down. The rendezvous, where the ranks wait for each
+    other to start, is a startup wait: it gets ``ready_timeout_s``."""
     debug_integrity: bool = False
     """Workers run ``KvCache.check_integrity()`` whenever their loop is idle."""
     debug_copy_delay_s: float = 0.0
     """Test aid: every copy to or from a host tier (CPU) starts this late, so aborts
     land while copies are in flight. 0 in production."""
+    debug_step_delay_s: float = 0.0
+    """Test aid: every forward pass of every worker (prefill, decode, colocated; a
+    speculative step makes several) takes this much longer, as on a starved core;
+    heartbeats go on meanwhile. 0 in production."""
     debug_build_delay_s: float = 0.0
     """Test aid: a worker's build (model and pools) takes this much longer, like a large
     checkpoint loading. 0 in production."""
@@ -226,14 +252,24 @@ class ServeConfig:
         if self.max_migrations < 0 or self.drain_timeout_s < 0:
             raise ValueError(f"max_migrations={self.max_migrations} and drain_timeout_s="
                              f"{self.drain_timeout_s} must be >= 0")
-        if self.ready_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ValueError("ready_timeout_s and request_timeout_s must be > 0")
+        if min(self.ready_timeout_s, self.request_timeout_s, self.kv_chunk_timeout_s,
+               self.kv_handshake_timeout_s) <= 0:
+            raise ValueError(f"ready_timeout_s={self.ready_timeout_s}, request_timeout_s="
+                             f"{self.request_timeout_s}, kv_chunk_timeout_s="
+                             f"{self.kv_chunk_timeout_s} and kv_handshake_timeout_s="
+                             f"{self.kv_handshake_timeout_s} must be > 0")
         if self.encode_threads < 1 or self.encode_queue < 1 or self.encode_timeout_s <= 0:
             raise ValueError(f"encode_threads={self.encode_threads} and encode_queue="
                              f"{self.encode_queue} must be >= 1, encode_timeout_s="
                              f"{self.encode_timeout_s} > 0")
-        if self.debug_copy_delay_s < 0 or self.debug_build_delay_s < 0:
-            raise ValueError("debug_copy_delay_s and debug_build_delay_s must be >= 0")
+        if min(self.debug_copy_delay_s, self.debug_build_delay_s,
+               self.debug_step_delay_s) < 0:
+            raise ValueError("debug_copy_delay_s, debug_build_delay_s and "
+                             "debug_step_delay_s must be >= 0")
+        if self.max_busy_s < self.lease_s:
+            raise ValueError(f"max_busy_s={self.max_busy_s} must be >= lease_s="
+                             f"{self.lease_s}: a step shorter than the lease never needs "
+                             "heartbeats from outside it")
         self._check_tp()
 
     def _check_tp(self) -> None:

@@ -162,6 +162,9 @@ class DecodeWorker(WorkerBase):
     def sockets(self) -> list:
         return self.receiver.sockets()
 
+    def kv_endpoint(self):
+        return getattr(self, "receiver", None)  # None until built
+
     def idle_wait_s(self) -> float:
         return min(0.02, self.receiver.poll_within() or 0.02)
 

@@ -289,6 +289,9 @@ class PrefillWorker(WorkerBase):
     def sockets(self) -> list:
         return self.sender.sockets()
 
+    def kv_endpoint(self):
+        return getattr(self, "sender", None)  # None until built
+
     def load(self) -> Load:
         queued = sum(r.prompt_len for r in self.reqs.values() if r.state == ReqState.QUEUED)
         return Load(self.name, running=len(self.engine.tasks), queued=len(self.reqs),

@@ -267,3 +267,56 @@ def test_a_worker_without_a_router_says_so_within_its_deadline(tmp_path):
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert f"no router answered at {nowhere} within 2 s" in proc.stderr
+
+
+def _queued_workload(n: int, seed: int) -> list[WorkRequest]:
+    """``n`` prompts of 40-56 tokens, all at once: a prefill passing 48 tokens at a time
+    works through them one pass each, the last ones long after the first."""
+    return [WorkRequest(f"q{i}", [(seed * 7 + 13 * i + 3 * j) % 500 for j in range(40 + i % 17)],
+                        4, 0.0) for i in range(n)]
+
+
+def _serve_queued(cluster: Cluster, cfg: ServeConfig, reqs: list[WorkRequest]) -> None:
+    model = Model(cfg.model_config())
+    ref = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
+           for r in reqs}
+    # the client's own lease of the router is not under test: a loaded box may keep the
+    # router from answering a ping within these stories' 1 s worker lease
+    results = drive(cluster.client, reqs, check=cluster.check, timeout_s=180, lease_s=10.0)
+    failed = {rid: r.error for rid, r in results.items() if not r.ok}
+    assert failed == {}, f"{len(failed)}/{len(reqs)} requests failed: {failed}"
+    assert {rid: r.output_ids for rid, r in results.items()} == ref
+
+
+def test_requests_queued_behind_a_busy_prefill_outlive_the_kv_chunk_deadline(tmp_path):
+    """Saturation in small (once 68 of 128 requests failed so): the decode registers all
+    16 requests at once, the prefill (a target and a draft pass per step, each slowed
+    0.1 s) starts the last ones 16 steps later, several times past a 1 s
+    ``kv_chunk_timeout_s`` that is well above one step. That deadline measures a stalled
+    transfer, not the prefill's queue: every request is served."""
+    cfg = CFG.with_overrides(kv_chunk_timeout_s=1.0, debug_step_delay_s=0.1,
+                             decode_pages=400, debug_integrity=False)
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    try:
+        _serve_queued(cluster, cfg, _queued_workload(16, seed=1))
+        log = (tmp_path / "decode0.log").read_text() + (tmp_path / "prefill0.log").read_text()
+        assert "failed (timeout)" not in log
+    finally:
+        _stop_and_replay(cluster)
+
+
+def test_workers_busy_in_passes_longer_than_the_lease_are_not_lost(tmp_path):
+    """Every forward pass takes 1.5x the lease (a trained model's prefill on a starved
+    core): the workers' heartbeats go on from their pulse threads, so neither the router
+    nor the KV peers declare a busy worker lost, and every request is served."""
+    cfg = CFG.with_overrides(lease_s=1.0, debug_step_delay_s=1.5, decode_pages=400,
+                             debug_integrity=False)
+    cluster = Cluster(cfg, "disagg", 1, 1, log_dir=str(tmp_path)).start()
+    try:
+        _serve_queued(cluster, cfg, _queued_workload(4, seed=2))
+        assert not any(w["lost"] for w in cluster.client.status(5).workers.values())
+        for name in ("router", "prefill0", "decode0"):
+            log = (tmp_path / f"{name}.log").read_text()
+            assert " lost" not in log and "silent for" not in log, name
+    finally:
+        _stop_and_replay(cluster)

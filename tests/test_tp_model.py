@@ -75,6 +75,14 @@ def test_a_rendezvous_that_a_rank_misses_times_out():
     assert result.startswith("lost: tp rank 0/2: rendezvous"), result
 
 
+def test_a_rank_that_starts_late_joins_within_the_rendezvous_deadline_only():
+    """The rendezvous is a startup wait (rank 1 comes 3 s late, twice the 1.5 s collective
+    deadline) and the group joins; the collectives keep their own, shorter deadline."""
+    r0, r1 = run_ranks(tp_ranks.late_rank, 2)
+    assert r1 == "stalled" and r0.startswith("lost after "), (r0, r1)
+    assert float(r0.split()[2]) < 10, r0   # the 1.5 s deadline, far from the 20 s one
+
+
 def test_shard_config_names_what_does_not_split():
     cfg = shard_config(F64, 2)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (2, 1, 192)

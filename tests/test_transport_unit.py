@@ -282,6 +282,71 @@ def test_source_pins_drop_in_the_poll_that_reports_completed(pair):
     assert pair.pc.num_free_pages() == free0
     pair.pc.check_integrity()
 
+def test_requests_queued_behind_a_busy_prefill_outlive_the_chunk_deadline(tmp_path):
+    """Saturation in small: the decode registers every request at once, the prefill (alive:
+    polled, heartbeating) starts them one by one, the last ones long after
+    ``chunk_timeout_s``. The deadline measures a stalled transfer, not the queue: every
+    request completes on both sides, none fails on a timeout."""
+    pair = Pair(tmp_path, chunk_timeout_s=0.3, lease_s=2.0)
+    pair.connect()
+    try:
+        rids = [f"r{i}" for i in range(6)]
+        rows = {rid: _rows(pair, rid, 9, seed=i) for i, rid in enumerate(rids)}
+        for rid in rids:
+            pair.rx.announce(rid, rows[rid][1], 9)
+        events, tx_events = [], []
+
+        def run(seconds):
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                events.extend(pair.rx.poll(0.005))
+                tx_events.extend(pair.tx.poll(0.0))
+
+        run(1.0)                      # the queue: nothing handed over for 3x the deadline
+        for i, rid in enumerate(rids):  # then one request per "step", 0.1 s apart
+            pair.tx.send(rid, rows[rid][0], 4)
+            run(0.1)
+            pair.tx.finish(rid, rows[rid][0], first_token=i)
+            run(0.1)
+        deadline = time.monotonic() + 3
+        while len([e for e in events if e.rid]) < len(rids) and time.monotonic() < deadline:
+            run(0.05)
+        assert {e.rid: (e.kind, e.reason) for e in events if e.rid} == {
+            rid: (EventKind.COMPLETED, "") for rid in rids}
+        run(0.2)
+        assert {e.rid: e.kind for e in tx_events if e.kind.is_final} == {
+            rid: EventKind.COMPLETED for rid in rids}
+        for i, rid in enumerate(rids):
+            assert torch_equal(read_row(pair.dc, rows[rid][1], 0, 9),
+                               pattern(i, 9, pair.pc.layout, 0, 4))
+        assert pair.rx.stats["timeouts.progress"] == pair.tx.stats["timeouts.progress"] == 0
+    finally:
+        pair.close()
+
+
+def test_a_request_the_prefill_never_starts_fails_on_the_overall_deadline(tmp_path):
+    """Not started is not forever: ``done_timeout_s`` (the client's deadline) ends a
+    registered request the live prefill never hands over, on both sides."""
+    pair = Pair(tmp_path, chunk_timeout_s=0.2, done_timeout_s=0.8, lease_s=2.0)
+    pair.connect()
+    try:
+        kv_p, kv_d = _rows(pair, "r", 9)
+        t0 = time.monotonic()
+        pair.rx.announce("r", kv_d, 9)
+        events, tx_events = [], []
+        while not (events and tx_events) and time.monotonic() - t0 < 3:
+            events += [e for e in pair.rx.poll(0.005) if e.rid]
+            tx_events += [e for e in pair.tx.poll(0.0) if e.kind.is_final]
+        waited = time.monotonic() - t0
+        assert [(e.kind, e.reason) for e in events] == [(EventKind.FAILED, "timeout")]
+        assert "done_timeout_s" in events[0].detail
+        # the prefill's own deadline or the decode's Abort, whichever lands first
+        assert [e.reason for e in tx_events] == ["timeout"]
+        assert 0.7 < waited < 2.0   # the overall deadline, not the 0.2 s chunk deadline
+    finally:
+        pair.close()
+
+
 def torch_equal(a, b):
     import torch
     return torch.equal(a, b)
@@ -492,17 +557,19 @@ def test_decode_answers_bad_frames_and_unknown_rids_and_keeps_serving(tmp_path):
 
 
 def test_progress_deadline_then_lease_frees_the_destination(tmp_path):
-    """A prefill that never sends: the registration's progress deadline fails the request
-    (its Abort goes unanswered), then the prefill's lease frees the pages."""
+    """A prefill that stalls after its first chunk: the progress deadline fails the
+    request (its Abort goes unanswered), then the prefill's lease frees the pages."""
     dc = make_cache(64, 4, layout())
     rx = KvReceiver(dc, config("d", chunk_timeout_s=0.3, lease_s=0.8, heartbeat_s=0.1))
-    fake = FakePrefill(tmp_path, rx)   # never sends, never heartbeats
+    fake = FakePrefill(tmp_path, rx)   # one chunk, then silence (no heartbeat either)
     try:
         free0 = dc.num_free_pages()
         kv = dc.open_row("r")
         dc.extend(kv, 8)
         t0 = time.monotonic()
         rx.announce("r", kv, 8)
+        payload = dc.data()[dc.pages(kv, 0, 4)].numpy().tobytes()
+        fake.send(fake_chunk(dc, kv, "r", 0, 1, len(payload), payload), payload)
         events = []
         while not events and time.monotonic() - t0 < 3:
             events = rx.poll(0.01)

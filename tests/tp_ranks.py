@@ -110,3 +110,24 @@ def lonely(rank: int, size: int, address: str) -> str:
     except GroupLost as exc:
         return f"lost: {exc}"
     return "joined"
+
+
+def late_rank(rank: int, size: int, address: str) -> str:
+    """Rank 1 starts 3 s late (a loaded host): the rendezvous (20 s) waits for it although
+    the collectives' deadline is 1.5 s; then rank 1 stalls, and rank 0's all-reduce fails
+    by the collectives' deadline, not the rendezvous's."""
+    if rank == 1:
+        time.sleep(3)
+    group = TpGroup.join(rank, size, address, timeout_s=1.5, rendezvous_s=20)
+    try:
+        if rank == 1:
+            time.sleep(12)  # past rank 0's deadline, then leave without the collective
+            return "stalled"
+        t0 = time.monotonic()
+        try:
+            group.all_reduce(torch.ones(4))
+        except GroupLost:
+            return f"lost after {time.monotonic() - t0:.1f} s"
+        return "all_reduce returned"
+    finally:
+        group.close()

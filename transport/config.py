@@ -40,12 +40,16 @@ class TransportConfig:
     the first one, or from the first hand-over when none came yet): a missing registration
     is the backpressure, bounded here."""
     chunk_timeout_s: float = 60.0
-    """Longest gap without progress on a request in flight (decode: from its registration
-    or its last data message; prefill: from its last hand-over); also the longest wait
-    for an ``AbortAck`` from a peer that is alive."""
+    """Longest gap without progress on a request whose KV is moving (decode: between two
+    data messages, from the first; prefill: from its last hand-over, once the worker
+    handed over the first pages); also the longest wait for an ``AbortAck`` from a peer
+    that is alive. A request registered but not started yet (queued at its prefill, which
+    may take long under load) is not bounded by it: the prefill's lease says whether it
+    is alive, and ``done_timeout_s`` bounds the whole."""
     done_timeout_s: float = 600.0
     """Longest time from Register to the last data message (decode) or from every leg's
-    registration to the own transfers' completion (prefill)."""
+    registration to the own transfers' completion (prefill): the request's overall
+    deadline on the KV plane (workers set it to the router's ``request_timeout_s``)."""
     max_frame_bytes: int = 8 << 20
     """Prefill: coalesced page runs are cut into data frames of at most this many bytes
     (a page larger than this still travels as one frame), at most ``FRAME_BYTES_LIMIT``."""

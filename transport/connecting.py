@@ -50,7 +50,9 @@ class Connecting:
             return True
         if now >= self.deadline:
             silent = next(a for i, a in enumerate(self.addresses) if i not in self.hellos)
-            raise TimeoutError(f"{silent}: no Hello within {self.timeout_s}s")
+            raise TimeoutError(f"{silent}: no Hello within {self.timeout_s}s (handshake_timeout_s;"
+                               " a live peer answers between its forward passes: raise it "
+                               "if those take longer under load)")
         return False
 
     def wait(self, timeout_s: float) -> None:

@@ -218,6 +218,9 @@ class _RankEndpoint:
     def poll_within(self) -> float | None:
         return self.endpoint.poll_within()
 
+    def heartbeat(self) -> int:
+        return self.endpoint.heartbeat()
+
     def _counted(self, ev: Event) -> tuple[str, int, int, float, str]:
         raise NotImplementedError
 

@@ -157,10 +157,22 @@ class Incoming:
         self.state = InState.CLOSED
 
     def overdue(self, now: float, cfg: TransportConfig) -> str | None:
-        """What deadline ran out (``"progress"``, ``"abort_ack"``), if any."""
-        if self.state == InState.STREAMING and (now - self.t_progress > cfg.chunk_timeout_s
-                                                or now - self.t_start > cfg.done_timeout_s):
-            return "progress"
+        """What deadline ran out, if any:
+
+        - ``"done"``: the whole transfer took longer than ``done_timeout_s`` from the
+          registration (the request's overall deadline);
+        - ``"progress"``: no data for ``chunk_timeout_s`` after some had come. Before the
+          first data the request waits in its prefill's queue, which may be long under
+          load: the prefill's lease (its heartbeats) says it is alive, and only the
+          overall deadline bounds that wait;
+        - ``"abort_ack"``: a live leg did not acknowledge our abort in
+          ``chunk_timeout_s``.
+        """
+        if self.state == InState.STREAMING:
+            if now - self.t_start > cfg.done_timeout_s:
+                return "done"
+            if self.t_first_data and now - self.t_progress > cfg.chunk_timeout_s:
+                return "progress"
         if self.state == InState.CLOSED and not self.abort_settled and (
                 now - self.t_progress > cfg.chunk_timeout_s):
             return "abort_ack"

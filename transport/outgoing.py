@@ -88,6 +88,9 @@ class Outgoing:
     aborted: bool = False
     t_start: float = field(default_factory=time.monotonic)
     t_progress: float = field(default_factory=time.monotonic)
+    t_first_hand: float = 0.0
+    """When the worker first handed this request to the transport (0: not yet: the request
+    still waits in the worker's queue)."""
 
     @property
     def handed(self) -> int:
@@ -114,6 +117,11 @@ class Outgoing:
         self.t_progress = time.monotonic()
 
     # -- streaming -----------------------------------------------------------------------
+    def touched(self, now: float) -> None:
+        """The worker handed (part of) the request over: it computes it now."""
+        self.t_progress = now
+        self.t_first_hand = self.t_first_hand or now
+
     def hand_over(self, pin_id: int, pages: np.ndarray) -> None:
         """The worker handed blocks ``[handed, handed + len(pages))``, pinned as ``pin_id``."""
         self.pins.append(SendPin(pin_id, self.handed, self.handed + len(pages)))
@@ -161,13 +169,25 @@ class Outgoing:
         self.aborted = self.aborted or aborted
 
     def overdue(self, now: float, cfg: TransportConfig) -> str | None:
-        """What deadline ran out (``"admission"``, ``"progress"``, ``"abort_ack"``), if any."""
+        """What deadline ran out, if any:
+
+        - ``"admission"``: handed-over pages waited ``admission_timeout_s`` for every
+          decode rank's registration;
+        - ``"done"``: streaming took longer than ``done_timeout_s`` from the
+          registrations (the request's overall deadline);
+        - ``"progress"``: nothing handed over or sent for ``chunk_timeout_s`` once the
+          worker handed over the first pages. A registered request the worker has not
+          started yet waits in its own queue, bounded by the overall deadline only;
+        - ``"abort_ack"``: a live leg did not acknowledge our abort in
+          ``chunk_timeout_s``.
+        """
         if self.state == OutState.ASSEMBLING and now - self.t_start > cfg.admission_timeout_s:
             return "admission"
-        if self.state in (OutState.STREAMING, OutState.DRAINING) and (
-                now - self.t_progress > cfg.chunk_timeout_s
-                or now - self.t_start > cfg.done_timeout_s):
-            return "progress"
+        if self.state in (OutState.STREAMING, OutState.DRAINING):
+            if now - self.t_start > cfg.done_timeout_s:
+                return "done"
+            if self.t_first_hand and now - self.t_progress > cfg.chunk_timeout_s:
+                return "progress"
         if self.aborted and not self.abort_settled and (
                 now - self.t_progress > cfg.chunk_timeout_s):
             return "abort_ack"

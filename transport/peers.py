@@ -92,18 +92,26 @@ class PeerTable:
     def tick(self, now: float) -> tuple[list[Peer], list[tuple[Peer, str]]]:
         """Peers due a heartbeat now (their next one is scheduled), and peers whose lease
         ran out with why."""
-        due, expired = [], []
+        expired = []
         for peer in self._peers.values():
             if peer.expired(now):
                 self.stats["lease_expiries"] += 1  # the caller marks it lost in this poll
                 expired.append((peer, f"silent for {now - peer.last_seen:.2f}s "
                                       f"(lease {peer.hello.lease_ms} ms)"))
-            elif now >= peer.next_heartbeat:
+        gone = {id(peer) for peer, _ in expired}
+        return self.due(now, lambda peer: id(peer) not in gone), expired
+
+    def due(self, now: float, which=lambda peer: True) -> list[Peer]:
+        """Peers (among ``which``) due a heartbeat now; their next one is scheduled. Alone
+        (no lease check): what a worker's pulse thread sends while its loop computes."""
+        due = []
+        for peer in self._peers.values():
+            if now >= peer.next_heartbeat and which(peer):
                 peer.heartbeat_seq += 1
                 peer.next_heartbeat = now + self.heartbeat_s
                 self.stats["heartbeats_sent"] += 1
                 due.append(peer)
-        return due, expired
+        return due
 
     def mark_lost(self, peer: Peer, why: str, clean: bool = False) -> list[str]:
         """Mark ``peer`` lost (logged, counted), take it out of the table and hand back the

@@ -230,9 +230,13 @@ class KvReceiver:
         self.link.advance()   # handshakes under way; what waited for them goes out
         self._announce_parked()
         self._check_pending()
+        # messages still unread (after a long step the budget may end first) may be the
+        # very progress a deadline waits for: judge deadlines once they are read
+        backlog = polled.more
         now = time.monotonic()
         for inc in list(self.transfers.values()):
-            self._check_deadlines(inc, now)
+            if not backlog:
+                self._check_deadlines(inc, now)
             self._maybe_release(inc)
         return self.events.take()
 
@@ -267,6 +271,13 @@ class KvReceiver:
         if self.nixl is not None and self.nixl.active(self.transfers):
             return SLICE_S
         return None
+
+    def heartbeat(self) -> int:
+        """Only the heartbeats due now to every peer: no reading, no lease check; returns
+        how many went out. For a worker's heartbeat thread while its loop runs a long
+        forward pass (``common/node/pulse.py``); the caller makes sure no other thread
+        uses this endpoint meanwhile (ZMQ sockets are not thread-safe)."""
+        return self.link.send_heartbeats()
 
     @property
     def num_pins(self) -> int:
@@ -500,6 +511,10 @@ class KvReceiver:
         elif what == "progress":
             self.stats["timeouts.progress"] += 1
             self._fail_rid(inc.rid, "timeout", f"no chunk for {now - inc.t_progress:.1f}s")
+        elif what == "done":
+            self.stats["timeouts.done"] += 1
+            self._fail_rid(inc.rid, "timeout", f"KV not complete {now - inc.t_start:.1f}s "
+                           f"after the registration (done_timeout_s {cfg.done_timeout_s}s)")
         elif what == "abort_ack":  # stop waiting, so the pin goes
             self.stats["timeouts.abort_ack"] += 1
             inc.stop_waiting_for_abort_acks()

@@ -239,10 +239,22 @@ class ReceiverLink:
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
 
+    def send_heartbeats(self) -> int:
+        """Only the heartbeats due now (no reading, no lease check); returns how many went
+        out."""
+        return sum(self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq))
+                   for peer in self.peers.due(time.monotonic()))
+
     def _drain_ready(self, out: LinkPoll, ready: dict) -> None:
         """Drain the ready sockets in turn (no socket starves the others) up to one drain's
-        byte budget; ``out.more`` when the budget ran out first."""
+        byte budget; ``out.more`` when the budget ran out first. A peer whose socket holds
+        messages is alive, read or not yet: after a long step the budget may stop before
+        its heartbeats, and its lease must not run out for that."""
         socks = list(self.sockets.items())
+        now = time.monotonic()
+        for key, sock in socks:
+            if sock.sock in ready:
+                self.peers.touch(key, now)
         self._turn = (self._turn + 1) % max(1, len(socks))
         budget = [DRAIN_BYTES]
         for key, sock in socks[self._turn:] + socks[:self._turn]:

@@ -210,6 +210,13 @@ class KvSender:
         flight move only when polled, and no socket wakes the worker for them)."""
         return self.link.poll_within()
 
+    def heartbeat(self) -> int:
+        """Only the heartbeats due now to every peer: no reading, no lease check; returns
+        how many went out. For a worker's heartbeat thread while its loop runs a long
+        forward pass (``common/node/pulse.py``); the caller makes sure no other thread
+        uses this endpoint meanwhile (ZMQ sockets are not thread-safe)."""
+        return self.link.send_heartbeats()
+
     @property
     def num_pins(self) -> int:
         return sum(len(o.pins) for o in self.transfers.values())
@@ -390,6 +397,10 @@ class KvSender:
             self.stats["timeouts.progress"] += 1
             self._fail(out, "timeout", f"no progress on {out.state.name} for "
                        f"{now - out.t_progress:.1f}s")
+        elif what == "done":
+            self.stats["timeouts.done"] += 1
+            self._fail(out, "timeout", f"not sent {now - out.t_start:.1f}s after the "
+                       f"registrations (done_timeout_s {cfg.done_timeout_s}s)")
         elif what == "abort_ack":  # stop waiting, so the pins go
             self.stats["timeouts.abort_ack"] += 1
             out.stop_waiting_for_abort_acks()
@@ -403,7 +414,7 @@ class KvSender:
             self.stats["sends_after_final"] += 1
             return None
         out.kv = kv
-        out.t_progress = time.monotonic()
+        out.touched(time.monotonic())
         return out
 
     def _flush(self, out: Outgoing) -> None:

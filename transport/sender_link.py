@@ -76,6 +76,12 @@ class SenderLink:
         out.lost.extend((peer, why, False) for peer, why in expired)
         return out
 
+    def send_heartbeats(self) -> int:
+        """Only the heartbeats due now (no reading, no lease check); returns how many went
+        out. A peer found unreachable here is left to the next ``poll``."""
+        return sum(self.send(peer.key, Heartbeat(seq=peer.heartbeat_seq))
+                   for peer in self.peers.due(time.monotonic()))
+
     def _recv(self, out: LinkPoll, timeout_s: float):
         """The first message within ``timeout_s``; while NIXL writes are in flight (or
         control is held for them) the wait is cut into ``nixl.SLICE_S`` slices that

@@ -27,6 +27,8 @@ whose K/V rows may be narrower than the target's: they fill the first
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -114,6 +116,9 @@ class ModelRunner:
                              f"{draft.device} != {model.device}")
         self.model, self.cache, self.draft = model, cache, draft
         self.page_size = cache.page_size
+        self.around_pass: Callable[[], AbstractContextManager] = nullcontext
+        """Context every forward pass runs in: a worker lends its sockets to a heartbeat
+        thread for the pass's length (``common/node/pulse.py``); nothing by default."""
         self.data = cache.data()  # [num_pages, total_layers, 2, page_size, kv_heads, head_dim]
         if self.data.device != model.device:
             raise ValueError(f"cache on {self.data.device}, model on {model.device}")
@@ -134,17 +139,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
         """Runs the batch; returns logits of each item's last token, [len(batch), vocab]."""
-        h, plan = self._hidden(batch, draft)
-        last = torch.from_numpy(np.cumsum(plan.lengths) - 1)
-        return self._pick(draft).logits(h[self._to_device(last)])
+        with self.around_pass():
+            h, plan = self._hidden(batch, draft)
+            last = torch.from_numpy(np.cumsum(plan.lengths) - 1)
+            return self._pick(draft).logits(h[self._to_device(last)])
 
     @torch.inference_mode()
     def forward_all(self, batch: list[BatchItem], *, draft: bool = False
                     ) -> list[torch.Tensor]:
         """Runs the batch; returns logits of every new token, one [n_i, vocab] per item
         (speculative verification needs all k + 1)."""
-        h, plan = self._hidden(batch, draft)
-        return list(self._pick(draft).logits(h).split(plan.lengths))
+        with self.around_pass():
+            h, plan = self._hidden(batch, draft)
+            return list(self._pick(draft).logits(h).split(plan.lengths))
 
     def _pick(self, draft: bool) -> Model:
         return self.draft if draft and self.draft is not None else self.model

@@ -62,6 +62,7 @@ from common.freelog import freelog_file, log_problems
 from common.kv import KvCache, reclaim_orphans, segment_stem
 from common.model import Model, ModelRunner
 from common.node import stop_signals
+from common.node.pulse import Pulse
 from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp import TpLeader, TpSpec, check_draft_split, leader_cache
 from common.node.worker_metrics import WorkerMetrics
@@ -129,6 +130,9 @@ class WorkerBase(ABC):
         self.draining = 0.0
         """When this worker began draining; 0: it is not."""
         self._drain_wait = 0.0
+        self.pulse: Pulse | None = None
+        """Heartbeats while a step runs (from ``start``)."""
+        self._last_load: Load | None = None
         self.counting = WorkerMetrics(self.role, self.metric_readings)
         self.metrics = self.counting.metrics
         """This process's metrics; parts that count take their metric objects from it."""
@@ -152,6 +156,8 @@ class WorkerBase(ABC):
     def start(self, config: ServeConfig) -> None:
         """Build from ``config`` and report ready (``serve`` does this once registered)."""
         self.config = config
+        self.pulse = Pulse(self.name, self._beat_outside, config.heartbeat_s / 4,
+                           config.max_busy_s)
         configure_freelog(max_buffer_bytes=config.freelog_max_buffer_kib << 10)
         if config.debug_build_delay_s:  # test aid: a checkpoint that loads slowly
             time.sleep(config.debug_build_delay_s)
@@ -159,6 +165,7 @@ class WorkerBase(ABC):
         self.build()
         self.built = True
         self._last_router = self._next_load = time.monotonic()
+        self._last_load = self.load()
         pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
         self.link.send(Ready(self.name, self.kv_address(), pool))
         logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
@@ -190,7 +197,15 @@ class WorkerBase(ABC):
         if num_pages is None:
             num_pages = device_pool_pages(cfg, self.role, self.device)
         if self.tp_spec is not None or cfg.role_tp(self.role) > 1:
-            return self._make_tp_cache(num_pages, shared_memory)
+            model, cache, runner = self._make_tp_cache(num_pages, shared_memory)
+        else:
+            model, cache, runner = self._make_solo_cache(num_pages, shared_memory)
+        runner.around_pass = self.computing  # heartbeats go on while a pass runs
+        return model, cache, runner
+
+    def _make_solo_cache(self, num_pages: int, shared_memory: bool
+                         ) -> tuple[Model, KvCache, ModelRunner]:
+        cfg = self.config
         model = Model(cfg.model_config(), device=self.device)
         dcfg = cfg.draft_model_config() if cfg.with_draft else None
         draft = Model(dcfg, device=self.device) if dcfg else None
@@ -416,9 +431,26 @@ class WorkerBase(ABC):
             if self.tp is not None:
                 self.tp.ask()
             self._check_free_logs()
-            load = replace(self.load(), paused=self.paused)
+            load = self._last_load = replace(self.load(), paused=self.paused)
             self.link.send(load)
             self._report(load)
+
+    # -- heartbeats while a step runs (common/node/pulse.py) -----------------------------
+    def computing(self):
+        """Context of one forward pass, which keeps the loop from its sockets: heartbeats
+        go on from the pulse thread meanwhile. ``debug_step_delay_s`` slows each pass."""
+        return self.pulse.computing(self.config.debug_step_delay_s)
+
+    def _beat_outside(self) -> int:
+        """On the pulse thread, while the loop computes: the router's heartbeat (the last
+        ``Load`` again) and the KV peers' when due. Returns how many went out."""
+        sent, now = 0, time.monotonic()
+        if now >= self._next_load:
+            self._next_load = now + self.config.heartbeat_s
+            self.link.send(self._last_load)
+            sent += 1
+        endpoint = self.kv_endpoint()
+        return sent + (endpoint.heartbeat() if endpoint is not None else 0)
 
     def _check_free_logs(self) -> None:
         """While a free log cannot write, admit nothing new (the router stops routing here
@@ -494,6 +526,11 @@ class WorkerBase(ABC):
         """Where decodes reach this worker's KV (a prefill's); empty otherwise."""
         return ""
 
+    def kv_endpoint(self):
+        """This worker's KV endpoint (``KvSender``/``KvReceiver``, or its group's), whose
+        peers get heartbeats while a step runs; None without one."""
+        return None
+
     def sockets(self) -> list:
         """Extra sockets whose input should wake the idle loop."""
         return []
@@ -524,6 +561,8 @@ class WorkerBase(ABC):
 
     def close(self) -> None:
         """Free everything (once built), say goodbye with the final stats, close."""
+        if self.pulse is not None:
+            self.pulse.close()
         try:
             if self.built:
                 self.built = False

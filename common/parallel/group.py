@@ -66,14 +66,18 @@ class TpGroup:
 
     @classmethod
     def join(cls, rank: int, size: int, address: str, device: str | torch.device = "cpu",
-             timeout_s: float = 30.0) -> TpGroup:
+             timeout_s: float = 30.0, rendezvous_s: float | None = None) -> TpGroup:
         """Join the group whose rendezvous rank 0 hosts at ``address`` (``tcp://host:port``).
 
-        Rendezvous and every later collective time out after ``timeout_s``.
+        The rendezvous waits ``rendezvous_s`` (default ``timeout_s``) for every rank: the
+        ranks are processes starting (importing torch, on a loaded host that alone can
+        take tens of seconds), so it is a startup deadline. Every later collective times
+        out after ``timeout_s``.
 
         Raises:
-            GroupLost: not every rank joined within ``timeout_s``.
+            GroupLost: not every rank joined within ``rendezvous_s``.
         """
+        rendezvous_s = max(timeout_s, rendezvous_s or timeout_s)
         group = cls(rank, size, device, timeout_s)
         if size == 1:
             return group
@@ -91,8 +95,10 @@ class TpGroup:
         timeout = timedelta(seconds=timeout_s)
         try:
             dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
-                                    timeout=timeout)
+                                    timeout=timedelta(seconds=rendezvous_s))
             group._joined = True
+            if rendezvous_s != timeout_s:  # every rank is here: collectives get their own
+                _set_timeout(timeout)
             if backend == "nccl":
                 # a bare "cuda" is the current device (set_device wants an index)
                 torch.cuda.set_device(group.device.index or 0)
@@ -100,7 +106,9 @@ class TpGroup:
         except Exception as exc:
             group.close()
             raise GroupLost(f"tp rank {rank}/{size}: rendezvous at {address} failed within "
-                            f"{timeout_s:.0f} s: {exc}") from exc
+                            f"{rendezvous_s:.0f} s (--tp-rendezvous-timeout-s; pdkv run "
+                            f"gives ready_timeout_s): not every rank started and reached "
+                            f"it: {exc}") from exc
         logger.info("tp rank %d/%d joined at %s (%s)", rank, size, address, backend)
         return group
 
@@ -248,6 +256,18 @@ class TpGroup:
         except Exception as exc:
             raise GroupLost(f"tp rank {self.rank}/{self.size}: {what} failed (a rank died "
                             f"or missed the {self.timeout_s:.0f} s deadline): {exc}") from exc
+
+
+def _set_timeout(timeout: timedelta) -> None:
+    """The default group's deadline from now on (it joined with the rendezvous's)."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # an older torch: collectives keep the rendezvous's deadline
+        logger.warning("this torch cannot change a process group's timeout: collectives "
+                       "keep the rendezvous deadline")
+        return
+    setter(timeout)
 
 
 class _Waker:

@@ -326,7 +326,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-address", default="", metavar="tcp://HOST:PORT",
                    help="the group's rendezvous, on rank 0's host; the same for every rank")
     g.add_argument("--tp-timeout-s", type=float, default=30.0, metavar="S",
-                   help="deadline of the rendezvous and of every collective (default 30)")
+                   help="deadline of every collective once the group joined (default 30)")
+    g.add_argument("--tp-rendezvous-timeout-s", type=float, default=120.0, metavar="S",
+                   help="how long the ranks wait for each other to start and join, a "
+                        "startup deadline (default 120; pdkv run passes ready_timeout_s)")
     add_auth_flags(p, "worker", "the deployment's key directory")
     add_log_level(p)
     p.set_defaults(func=_run_worker)

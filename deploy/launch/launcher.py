@@ -179,7 +179,9 @@ class Cluster:
                                         for r in range(tp)])
             ranks = [] if tp == 1 else ["--tp-size", str(tp), "--tp-address",
                                         self._tp_address(), "--tp-timeout-s",
-                                        str(self.config.tp_timeout_s)]
+                                        str(self.config.tp_timeout_s),
+                                        "--tp-rendezvous-timeout-s",
+                                        str(self.config.ready_timeout_s)]
             for rank in range(tp):
                 argv = [*base, role, "--router", self.router_addr, "--name", name,
                         "--device", self.devices[device % len(self.devices)], "--log-dir",

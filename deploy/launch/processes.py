@@ -71,7 +71,8 @@ def run_worker(args: argparse.Namespace) -> int:
         logger.warning("%s: no --log-dir: this worker records no free log, so pdkv replay "
                        "cannot check its pages", name)
     try:
-        tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s)
+        tp = TpSpec(args.tp_size, args.tp_rank, args.tp_address, args.tp_timeout_s,
+                    args.tp_rendezvous_timeout_s)
     except ValueError as exc:
         logger.error("%s: %s", name, exc)
         return 2

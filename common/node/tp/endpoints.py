@@ -23,14 +23,18 @@ def kv_config(cfg: ServeConfig, role: str, name: str, fingerprint: str, rank: in
     """The KV endpoint's settings of rank ``rank`` of a ``role`` worker (prefill, decode).
 
     A prefill sends only to the decode the router assigned (``require_capability``); a
-    decode gives a new prefill's handshake a lease to answer."""
+    decode gives a new prefill's handshake ``kv_handshake_timeout_s`` to answer (a busy
+    prefill answers between its passes). A transfer's overall deadline is the client's
+    (``request_timeout_s``)."""
     settings = dict(node=name, model=cfg.model, model_digest=fingerprint, tp_rank=rank,
                     tp_size=size, heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s,
-                    shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport)
+                    shared_memory=cfg.shared_memory, kv_transport=cfg.kv_transport,
+                    chunk_timeout_s=cfg.kv_chunk_timeout_s,
+                    done_timeout_s=cfg.request_timeout_s)
     if role == "prefill":
         return TransportConfig(**settings, require_capability=True)
     if role == "decode":
-        return TransportConfig(**settings, handshake_timeout_s=cfg.lease_s)
+        return TransportConfig(**settings, handshake_timeout_s=cfg.kv_handshake_timeout_s)
     raise ValueError(f"a {role} worker has no KV endpoint")
 
 

@@ -41,6 +41,7 @@ from common.control import wait_any
 from common.freelog import freelog_file
 from common.kv import KvCache
 from common.model import ModelRunner, TpModel
+from common.node.pulse import Pulse
 from common.node.tp.cache import LeaderKvCache, RankPins
 from common.node.tp.endpoints import follower_endpoint
 from common.node.tp.host import follower_host
@@ -61,8 +62,14 @@ class TpSpec:
     rank: int
     address: str
     timeout_s: float = 30.0
+    """Deadline of every collective (``--tp-timeout-s``)."""
+    rendezvous_s: float = 120.0
+    """Deadline of the rendezvous, a startup wait (``--tp-rendezvous-timeout-s``)."""
 
     def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.rendezvous_s <= 0:
+            raise ValueError(f"--tp-timeout-s {self.timeout_s} and --tp-rendezvous-timeout-s "
+                             f"{self.rendezvous_s} must be > 0")
         if not 0 <= self.rank < self.size:
             raise ValueError(f"--tp-rank {self.rank} must be in [0, --tp-size {self.size})")
         if self.size > 1 and not self.address:
@@ -93,7 +100,8 @@ def leader_cache(spec: TpSpec, role: str, name: str, config: ServeConfig, num_pa
     if spec.size != config.role_tp(role):
         raise ValueError(f"{name}: started with --tp-size {spec.size}, the deployment's "
                          f"config has {config.role_tp(role)} rank(s) for a {role} worker")
-    group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s)
+    group = TpGroup.join(0, spec.size, spec.address, device, spec.timeout_s,
+                         spec.rendezvous_s)
     shared = shared_memory and torch.device(device).type == "cpu"
     offer = _offer(spec, keys, identity) if kv_auth else None
     setup = {"config": config.to_dict(), "num_pages": num_pages, "max_rows": max_rows,
@@ -283,8 +291,9 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
     Raises:
         InsecureBind: a prefill rank asked to bind a public ``kv_bind`` without keys.
     """
-    group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s)
-    mirror = None
+    group = TpGroup.join(spec.rank, spec.size, spec.address, device, spec.timeout_s,
+                         spec.rendezvous_s)
+    mirror = pulse = None
     try:
         setup = json.loads(group.broadcast_bytes(TAG_CONFIG, None))
         setup["kv_auth"] = _fetch_kv_auth(setup, keys, identity, spec)
@@ -301,6 +310,10 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                              kv_advertise, group)
         counting = RankMetrics(setup.get("role", "colocated"), cache, endpoint, host)
         mirror = Mirror(runner, spec.rank, endpoint, group, host=host)
+        # this rank's KV peers get heartbeats while a long pass runs, as rank 0's do
+        pulse = Pulse(node, lambda: endpoint.heartbeat() if endpoint is not None else 0,
+                      config.heartbeat_s / 4, config.max_busy_s)
+        runner.around_pass = lambda: pulse.computing(config.debug_step_delay_s)
         mirror.reporter = lambda final: counting.report(mirror.log_problems(final), final)
         logger.info("%s: following rank 0 (%d KV heads, %d pages)", node,
                     model.config.num_kv_heads, setup["num_pages"])
@@ -322,6 +335,8 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
             mirror.abandon()
         return 3
     finally:
+        if pulse is not None:
+            pulse.close()
         if mirror is not None:
             mirror.close_endpoint()
         group.close()
