@@ -37,11 +37,17 @@ from common.auth import Keys
 from common.control import ControlLink, Load, Prefilled, Req, StepTokens, unpack_ids
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
-from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
+from common.node import (
+    PrefillEngine,
+    PrefixReuse,
+    WorkerBase,
+    close_offloader,
+    host_salt,
+    make_offloader,
+)
 from common.node.tp import TpSpec, kv_config
 from common.request import BadRequest, ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
-from prefill_node.engine import PrefillEngine
 from transport import EventKind, GroupSender, KvSender, transport_readings
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,9 @@ from common import trace
 from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
 from common.model import ModelRunner, sample
-from common.node import WorkerBase
+from common.node import PrefillEngine, WorkerBase
 from common.request import Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
-from prefill_node.engine import PrefillEngine
 
 logger = logging.getLogger(__name__)
 
