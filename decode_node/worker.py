@@ -75,6 +75,9 @@ class DecodeWorker(WorkerBase):
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
 
+    def host_offloader(self):
+        return self.scheduler.offloader
+
     # -- control -------------------------------------------------------------------------
     def on_req(self, msg: Req) -> None:
         rid = msg.rid

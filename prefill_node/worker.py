@@ -38,6 +38,7 @@ from common.control import ControlLink, Load, Prefilled, Req, StepTokens, unpack
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
 from common.node import (
+    EventsSpec,
     PrefillEngine,
     PrefixReuse,
     WorkerBase,
@@ -68,9 +69,11 @@ class PrefillWorker(WorkerBase):
                  kv_advertise: str = "", device: str = "cpu", log_dir: str | None = None,
                  register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None, keys: Keys | None = None,
-                 identity: str = "worker", tp: TpSpec | None = None) -> None:
+                 identity: str = "worker", tp: TpSpec | None = None,
+                 events: EventsSpec | None = None) -> None:
         super().__init__(name, router, device, log_dir, register_timeout_s,
-                         local_models=local_models, keys=keys, identity=identity, tp=tp)
+                         local_models=local_models, keys=keys, identity=identity, tp=tp,
+                         events=events)
         self.kv_bind, self.kv_advertise = kv_bind, kv_advertise
         self.reqs: OrderedDict[str, Request] = OrderedDict()
         self.early_ready: set[str] = set()
@@ -97,6 +100,9 @@ class PrefillWorker(WorkerBase):
             self.sender = GroupSender(self.sender, self.lockstep,
                                       self.kv_advertise or self.sender.address)
         watch_host(self.metrics, self.offloader)
+
+    def host_offloader(self):
+        return self.offloader
 
     def kv_address(self) -> str:
         """Where decodes connect; a tensor-parallel group's ranks, comma-separated in

@@ -95,7 +95,7 @@ class EventPublisher:
             self._pub = self._bind(zmq.PUB, endpoint, auth, hwm, max_msg=4096)
             # a replay may send the whole ring at once: its high-water mark holds it
             self._replay = self._bind(zmq.ROUTER, replay_endpoint or replay_address(endpoint),
-                                      auth, buffer_steps + 16, max_msg=64)
+                                      auth, buffer_steps + 16, max_msg=4096)
         except BaseException:
             self._close_sockets(0)
             raise
@@ -110,7 +110,7 @@ class EventPublisher:
               max_msg: int = -1) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)  # not below a CURVE handshake's commands
         try:
             self._guards.append(auth.serve(sock, address))
         except BaseException:

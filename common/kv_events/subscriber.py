@@ -34,6 +34,7 @@ from common.kv_events.wire import (
 )
 
 logger = logging.getLogger(__name__)
+_UNANSWERED_BACKOFF_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class EventStream:
             logger.warning("KV events from %s: replay from %d unanswered in %.1f s",
                            self.endpoint, self.next_seq, self.replay_timeout_s)
             self._connect_replay()  # a late answer must not end the next replay early
+            # a publisher that does not answer is not asked again soon: whoever reads
+            # several streams in one thread must not wait on it every resync
+            self._last_heard = time.monotonic() + _UNANSWERED_BACKOFF_S
         if until is not None and self.next_seq < until:
             self._lose(until - self.next_seq, out)
 

@@ -52,6 +52,9 @@ class ColocatedWorker(WorkerBase):
         self._computed: list[Request] = []
         watch_host(self.metrics, self.scheduler.offloader)
 
+    def host_offloader(self):
+        return self.scheduler.offloader
+
     def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
         if req is not None:
