@@ -238,6 +238,7 @@ class DecodeWorker(WorkerBase):
         retracted = len(retraction.waiting) if retraction is not None else 0
         return [*self.scheduler.metric_readings(),
                 *transport_readings(self.receiver, "received"),
+                ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed),
                 ("pdkv_queue_requests", {"queue": "retracted"}, retracted)]
 
     def abandon(self, detail: str) -> None:

@@ -333,7 +333,8 @@ class PrefillWorker(WorkerBase):
     def metric_readings(self) -> list:
         page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
         out = [*transport_readings(self.sender, "sent"), *abort_readings(self.aborted_in),
-               *host_readings(self.offloader, page_bytes)]
+               *host_readings(self.offloader, page_bytes),
+               ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed)]
         if self.prefix_reuse is not None:
             out.append(("pdkv_prefix_hit_pages_total", {}, self.prefix_reuse.num_hit_pages))
         return out

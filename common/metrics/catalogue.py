@@ -175,6 +175,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("pdkv_prompt_tokens_total", "counter", "Prompt tokens of the requests a worker "
               "prefilled (cached prefix included)."),
     MetricDef("pdkv_generation_tokens_total", "counter", "Tokens a worker generated."),
+    MetricDef("pdkv_prefill_computed_tokens_total", "counter", "Prompt tokens a worker "
+              "computed (a prefix loaded from its host tier not included): prefill and "
+              "colocated workers, and a decode for the prompts it prefills itself "
+              "(conditional disaggregation)."),
     MetricDef("pdkv_ttft_seconds", "histogram", "Time to first token at the router, submit "
               "to the first token relayed.", (), "router", LATENCY_BUCKETS),
     MetricDef("pdkv_tpot_seconds", "histogram", "Time per output token after the first, per "

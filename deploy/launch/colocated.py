@@ -199,7 +199,8 @@ class ColocatedWorker(WorkerBase):
                                      "mixed_steps": self.num_mixed_steps})
 
     def metric_readings(self) -> list:
-        return self.scheduler.metric_readings()
+        return [*self.scheduler.metric_readings(),
+                ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed)]
 
     def abandon(self, detail: str) -> None:
         self.scheduler.abort_all(detail)
