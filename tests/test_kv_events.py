@@ -8,8 +8,12 @@ and never imports pdkv's subscriber.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -31,6 +35,7 @@ from common.kv_events import (
     decode_batch,
     encode_batch,
     external_hash,
+    replay_address,
 )
 from common.node import EventsSpec, WorkerEvents, state_digest
 from tests import kv_events_helpers as doc
@@ -316,3 +321,21 @@ def test_a_subscriber_rebuilds_the_host_tier_after_1000_requests_and_a_late_one_
         early.close()
         if late is not None:
             late.close()
+
+
+def test_a_worker_refuses_an_events_address_others_could_reach_before_it_starts():
+    env = {k: v for k, v in os.environ.items() if k != "PDKV_AUTH_KEYS"}
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "decode", "--router",
+                           "ipc:///nonexistent/router.sock", "--kv-events-endpoint",
+                           "tcp://0.0.0.0:5999"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr
+    assert "refusing to bind tcp://0.0.0.0:5999 without authentication" in done.stderr
+
+
+def test_the_replay_socket_sits_beside_the_events_socket():
+    assert replay_address("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
+    assert replay_address("tcp://127.0.0.1:*") == "tcp://127.0.0.1:*"
+    assert replay_address("ipc:///run/w0.events") == "ipc:///run/w0.events.replay"
+    with pytest.raises(ValueError, match="give tcp://HOST:PORT or ipc://PATH"):
+        replay_address("udp://127.0.0.1:5557")
