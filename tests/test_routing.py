@@ -95,6 +95,9 @@ def test_prefill_weighs_the_uncached_prompt_against_the_work_queued_on_it():
     assert p.prefill([Load("p0", 2, 700, 10**4), Load("p1", 1, 0, 10**4)], m, 500).index == 1
     assert p.prefill([Load("p0", 0, 0, 10**4), Load("p1", 0, 0, 10**4)], [Match(), Match()],
                      500).reason == LOAD
+    # 12 requests queued on p0 against 1: load alone, whatever p0 holds
+    assert p.prefill([Load("p0", 12, 200, 10**4), Load("p1", 1, 100, 10**4)], m, 500) == \
+        Choice(1, IMBALANCE)
 
 
 def test_a_decode_holding_most_of_the_prompt_computes_a_short_rest_itself():
