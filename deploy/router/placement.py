@@ -241,10 +241,9 @@ class Placement:
     def _count(self, role: str, worker: WorkerInfo, choice: Choice, prompt_len: int) -> None:
         self._decisions.labels(stage=role, reason=choice.reason).inc()
         self._prompt.labels(stage=role).inc(prompt_len)
-        if choice.cached_tokens:
-            self._cached.labels(stage=role, tier="device").inc(choice.device_tokens)
-            self._cached.labels(stage=role, tier="host").inc(
-                choice.cached_tokens - choice.device_tokens)
+        self._cached.labels(stage=role, tier="device").inc(choice.device_tokens)
+        self._cached.labels(stage=role, tier="host").inc(
+            choice.cached_tokens - choice.device_tokens)
 
     def match(self, worker: str, prompt: list[int]) -> Match:
         """``worker``'s cached leading blocks of ``prompt`` as the index has them (tests,

@@ -123,13 +123,14 @@ class PrefixIndex:
                 m.blocks.discard(key)
 
     def _clear(self, worker: str) -> None:
-        self._workers.pop(worker, None)
+        """Every block of ``worker`` gone (it stays known: its metrics show 0 blocks)."""
+        self._workers[worker] = {m: _Medium() for m in MEDIA}
 
     # -- the router's side -------------------------------------------------------------
     def forget(self, worker: str) -> None:
         """Drop ``worker`` (lost, or registering again: its events start over)."""
         with self._lock:
-            self._clear(worker)
+            self._workers.pop(worker, None)
 
     def match(self, keys: Sequence[bytes], workers: Iterable[str]) -> dict[str, Match]:
         """For each of ``workers``, how many of ``keys`` (a prompt's chain, router keys)
