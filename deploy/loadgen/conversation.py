@@ -97,7 +97,9 @@ def converse(client: Client, conversations: list[Conversation], clients: int, *,
     Raises:
         TimeoutError: not every turn ended within ``timeout_s``.
     """
-    params = {"temperature": 0.0, **(params or {})}
+    # Seeded token-id turns run to their drawn reply length past the model's eos ids (as
+    # the open-loop driver's do): the next turn's history, and the work, stay the seed's.
+    params = {"temperature": 0.0, "ignore_eos": True, **(params or {})}
     waiting = list(reversed(conversations))
     due: list[tuple[float, int, Conversation, int]] = []   # (when, cid, conv, turn)
     flying: dict[str, tuple[Conversation, int]] = {}
