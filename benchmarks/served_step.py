@@ -46,9 +46,9 @@ def in_process_step(cfg: ServeConfig, batch: int, prompt_len: int, steps: int,
 
     from common.kv import KvCache
     from common.model import Model, ModelRunner
+    from common.node import PrefillEngine
     from common.request import Request, SamplingParams
     from decode_node.batch import DecodeBatch
-    from prefill_node.engine import PrefillEngine
 
     was_cores, was_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cores)

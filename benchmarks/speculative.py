@@ -44,12 +44,11 @@ from common import KvCache
 from common.config import resolve_model
 from common.host import HostTier, Offloader
 from common.model import BatchItem, Model, ModelRunner, Tokenizer, get_config, load_config
-from common.node import PrefixReuse
+from common.node import PrefillEngine, PrefixReuse
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, StepFn, greedy_step
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
-from prefill_node.engine import PrefillEngine
 
 
 def _median(xs: list[float]) -> float:

@@ -17,6 +17,7 @@ _TRANSPORTS = ("ipc", "tcp")
 _FREELOG_POLICIES = ("pause", "exit")
 _KV_TRANSPORTS = ("zmq", "nixl", "auto")
 _KV_SECURITY = ("curve", "plain")
+_ROUTING = ("prefix", "least-loaded")
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,25 @@ class ServeConfig:
     encode_timeout_s: float = 60.0
     """Router: a text request not encoded this long after it came fails with
     ``encode_timeout`` (it was never routed: nothing to free)."""
+    routing: str = "prefix"
+    """Router: how it picks a request's workers. ``prefix``: by the prompt's blocks
+    already cached on each (from the workers' KV events), against each one's load,
+    falling back to load past ``routing_imbalance``; ``least-loaded``: by load alone
+    (docs/routing.md). With one worker of a role both pick it."""
+    routing_host_weight: float = 0.8
+    """Prefix routing: what a block cached in a worker's host tier is worth against one
+    on its device (1.0): loading it costs a copy."""
+    routing_imbalance: int = 8
+    """Prefix routing falls back to least-loaded for a role when its busiest worker runs
+    this many more requests than its least busy one and ``routing_imbalance_ratio``
+    times as many (sglang's balance thresholds)."""
+    routing_imbalance_ratio: float = 1.5
+    """See ``routing_imbalance``."""
+    local_prefill_tokens: int = 256
+    """Conditional disaggregation (prefix routing): when the chosen decode's host tier
+    holds most of the prompt and at most this many of its tokens are not cached there,
+    the decode computes them itself, without a prefill (docs/routing.md). 0: always a
+    prefill."""
     prefill_tp: int = 1
     """Ranks (devices, processes) of each prefill worker's tensor-parallel group."""
     decode_tp: int = 1
@@ -270,7 +290,21 @@ class ServeConfig:
             raise ValueError(f"max_busy_s={self.max_busy_s} must be >= lease_s="
                              f"{self.lease_s}: a step shorter than the lease never needs "
                              "heartbeats from outside it")
+        self._check_routing()
         self._check_tp()
+
+    def _check_routing(self) -> None:
+        if self.routing not in _ROUTING:
+            raise ValueError(f"routing={self.routing!r}; allowed: {_ROUTING}")
+        if not 0 <= self.routing_host_weight <= 1:
+            raise ValueError(f"routing_host_weight={self.routing_host_weight}; allowed: 0 "
+                             "to 1 (a device block is worth 1)")
+        if self.routing_imbalance < 0 or self.routing_imbalance_ratio < 1:
+            raise ValueError(f"routing_imbalance={self.routing_imbalance} must be >= 0 and "
+                             f"routing_imbalance_ratio={self.routing_imbalance_ratio} >= 1")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens={self.local_prefill_tokens} must be >= "
+                             "0 (0: off)")
 
     def _check_tp(self) -> None:
         if self.prefill_tp < 1 or self.decode_tp < 1 or self.tp_timeout_s <= 0:

@@ -17,6 +17,12 @@ A request's eight steps on this worker:
    may still write out of reuse.
 8. At shutdown everything still held is freed (``aborted``) and the free log is closed.
 
+Conditional disaggregation: a request the router sends without a prefill (``prefill``
+empty: this decode's host tier holds most of its prompt) is admitted the same way, then
+its cached prefix is committed and the uncached rest computed here by a ``PrefillEngine``
+(PREFILLING) instead of steps 2-4; its first token goes to the router as soon as it is
+sampled, and it joins the batch.
+
 With offload on, step 2 first loads the prompt's cached prefix from the host tier; a load
 that does not end within ``prefix_load_timeout_s`` frees the row (``timeout``; the load's
 pins keep its pages safe) and puts the request back at the head of the queue with reuse
@@ -33,11 +39,11 @@ import logging
 import time
 
 from common import trace
-from common.control import Done, Load, Req, unpack_ids
+from common.control import Done, Load, Req, Tokens, unpack_ids
 from common.metrics import watch_host
-from common.node import WorkerBase
+from common.node import PrefillEngine, WorkerBase
 from common.node.tp import kv_config
-from common.request import BadRequest, Request, SamplingParams
+from common.request import BadRequest, ReqState, Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
 from transport import EventKind, GroupReceiver, KvReceiver, transport_readings
 
@@ -63,8 +69,14 @@ class DecodeWorker(WorkerBase):
             auth=self.kv_auth)
         if self.lockstep is not None:  # every rank receives its heads (transport/group.py)
             self.receiver = GroupReceiver(self.receiver, self.lockstep)
+        # prompts the router sends without a prefill (conditional disaggregation)
+        self.engine = PrefillEngine(self.runner, cfg.chunk_size, cfg.max_prefill_tokens,
+                                    with_draft=cfg.with_draft)
         self.groups: dict[str, int] = {}
         watch_host(self.metrics, self.scheduler.offloader)
+
+    def host_offloader(self):
+        return self.scheduler.offloader
 
     # -- control -------------------------------------------------------------------------
     def on_req(self, msg: Req) -> None:
@@ -102,13 +114,17 @@ class DecodeWorker(WorkerBase):
         self.scheduler.reap()
         self.scheduler.resume()  # retracted requests go before new ones
         admitted = self._admit()
-        return self.scheduler.step() or admitted
+        prefilled = self._prefill_here()
+        return self.scheduler.step() or admitted or prefilled
 
     def _admit(self) -> bool:
         """Admit what fits and tell each request's prefill where its KV goes."""
         any_admitted = False
         while (req := self.scheduler.admit_next(commit_prefix=False)) is not None:
             any_admitted = True
+            if not req.prefill:  # conditional disaggregation: the rest is computed here
+                self._start_prefill_here(req)
+                continue
             try:
                 group = self._group(req.prefill, req.prefill_addr)
                 self.receiver.announce(req.rid, req.kv, req.prompt_len, req.num_computed,
@@ -124,6 +140,35 @@ class DecodeWorker(WorkerBase):
             logger.info("%s: %s admitted (%d prompt tokens, prefill %s)", self.name,
                         req.rid, req.prompt_len, req.prefill)
         return any_admitted
+
+    def _start_prefill_here(self, req: Request) -> None:
+        if req.num_computed:  # the host tier's prefix, loaded at admission
+            self.cache.commit(req.kv, req.num_computed)
+        self.scheduler.prefilling(req)
+        self.engine.add(req)
+        logger.info("%s: %s prefills here (%d prompt tokens, %d cached)", self.name, req.rid,
+                    req.prompt_len, req.num_computed)
+
+    def _prefill_here(self) -> bool:
+        """One pass over the prompts this decode computes itself; True when it ran."""
+        if not self.engine.has_work:
+            return False
+        try:
+            _, finished = self.engine.step(on_sampled=self._first_tokens)
+        except Exception as exc:  # contained: the pass's requests fail, the worker lives
+            logger.exception("%s: a prefill pass failed", self.name)
+            for req in list(self.engine.batch):
+                self.scheduler.end(req, "error", f"decode {self.name}: a prefill pass "
+                                   f"failed ({type(exc).__name__}: {exc}); retry it")
+            return True
+        for req in finished:
+            self.scheduler.start_decoding(req, first_sent=True)
+        return True
+
+    def _first_tokens(self, finished: list[Request]) -> None:
+        """Sampled first tokens go out at once (the draft's pass is still to come)."""
+        for req in finished:
+            self.send(Tokens(req.rid, [req.output[0]], first=True))
 
     def _group(self, prefill: str, addr: str) -> int:
         group = self.groups.get(prefill)
@@ -155,8 +200,12 @@ class DecodeWorker(WorkerBase):
 
     def _stop_receiving(self, req: Request, reason: str, detail: str) -> None:
         """The scheduler ends a request whose KV is still arriving: stop the transfer
-        (the receiver's pins keep pages the prefill may still write out of reuse)."""
-        self.receiver.abort(req.rid, reason, detail)
+        (the receiver's pins keep pages the prefill may still write out of reuse), or
+        the prefill pass of one computed here."""
+        if req.state == ReqState.PREFILLING:
+            self.engine.remove(req.rid)
+        else:
+            self.receiver.abort(req.rid, reason, detail)
 
     # -- reporting and shutdown ----------------------------------------------------------
     def sockets(self) -> list:
@@ -181,13 +230,15 @@ class DecodeWorker(WorkerBase):
         # failed its own request; a non-zero count is worth a look at the free log
         return self.scheduler.stats({"bytes_recv": int(rx["bytes_recv"]),
                                      "kv_refused_stale": int(rx["refused.stale"]),
-                                     "kv_refused_corrupt": int(rx["refused.corrupt"])})
+                                     "kv_refused_corrupt": int(rx["refused.corrupt"]),
+                                     "tokens_computed": self.engine.num_tokens_computed})
 
     def metric_readings(self) -> list:
         retraction = self.scheduler.retraction
         retracted = len(retraction.waiting) if retraction is not None else 0
         return [*self.scheduler.metric_readings(),
                 *transport_readings(self.receiver, "received"),
+                ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed),
                 ("pdkv_queue_requests", {"queue": "retracted"}, retracted)]
 
     def abandon(self, detail: str) -> None:

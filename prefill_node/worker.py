@@ -37,11 +37,18 @@ from common.auth import Keys
 from common.control import ControlLink, Load, Prefilled, Req, StepTokens, unpack_ids
 from common.kv import FreeReason, ceil_div
 from common.metrics import abort_readings, host_readings, watch_host
-from common.node import PrefixReuse, WorkerBase, close_offloader, host_salt, make_offloader
+from common.node import (
+    EventsSpec,
+    PrefillEngine,
+    PrefixReuse,
+    WorkerBase,
+    close_offloader,
+    host_salt,
+    make_offloader,
+)
 from common.node.tp import TpSpec, kv_config
 from common.request import BadRequest, ReqState, Request, SamplingParams, check_transition
 from prefill_node.busy import BusyTime
-from prefill_node.engine import PrefillEngine
 from transport import EventKind, GroupSender, KvSender, transport_readings
 
 logger = logging.getLogger(__name__)
@@ -62,9 +69,11 @@ class PrefillWorker(WorkerBase):
                  kv_advertise: str = "", device: str = "cpu", log_dir: str | None = None,
                  register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None, keys: Keys | None = None,
-                 identity: str = "worker", tp: TpSpec | None = None) -> None:
+                 identity: str = "worker", tp: TpSpec | None = None,
+                 events: EventsSpec | None = None) -> None:
         super().__init__(name, router, device, log_dir, register_timeout_s,
-                         local_models=local_models, keys=keys, identity=identity, tp=tp)
+                         local_models=local_models, keys=keys, identity=identity, tp=tp,
+                         events=events)
         self.kv_bind, self.kv_advertise = kv_bind, kv_advertise
         self.reqs: OrderedDict[str, Request] = OrderedDict()
         self.early_ready: set[str] = set()
@@ -91,6 +100,9 @@ class PrefillWorker(WorkerBase):
             self.sender = GroupSender(self.sender, self.lockstep,
                                       self.kv_advertise or self.sender.address)
         watch_host(self.metrics, self.offloader)
+
+    def host_offloader(self):
+        return self.offloader
 
     def kv_address(self) -> str:
         """Where decodes connect; a tensor-parallel group's ranks, comma-separated in
@@ -321,7 +333,8 @@ class PrefillWorker(WorkerBase):
     def metric_readings(self) -> list:
         page_bytes = self.cache.layout.page_bytes(self.cache.page_size)
         out = [*transport_readings(self.sender, "sent"), *abort_readings(self.aborted_in),
-               *host_readings(self.offloader, page_bytes)]
+               *host_readings(self.offloader, page_bytes),
+               ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed)]
         if self.prefix_reuse is not None:
             out.append(("pdkv_prefix_hit_pages_total", {}, self.prefix_reuse.num_hit_pages))
         return out

@@ -23,12 +23,14 @@ from pathlib import Path
 
 from common.config import ServeConfig
 from common.freelog import replay_file
+from common.metrics import render_snapshot
 from common.model import Model, generate_greedy
 from deploy.launch.cluster.ray_launch import RayCluster
 from deploy.launch.cluster.ray_plan import PlacementError
 from deploy.launch.launcher import WorkerDied
 from deploy.loadgen.driver import drive
 from deploy.loadgen.workload import WorkloadSpec, make_workload
+from tests.metrics_helpers import parse
 
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=160,
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
@@ -157,6 +159,14 @@ def story_unplaceable(work: Path) -> str:
     return "started"
 
 
+def _events_batches(cluster: RayCluster) -> dict[str, float]:
+    """KV event batches the router applied per worker (prefix routing follows each
+    worker's events at the ports its actor picked, a restarted one's at its new ones)."""
+    metrics = parse(render_snapshot(cluster.client.metrics())[0].decode())
+    return {labels["publisher"]: value
+            for labels, value in metrics.get("pdkv_kv_events_batches_total", [])}
+
+
 def _states(cluster: RayCluster, names: list[str], deadline_s: float) -> dict:
     """Each worker's states as the router reports them (``lost``, ``building``,
     ``ready``), until every one of ``names`` was lost and is ready again."""
@@ -230,6 +240,7 @@ def story_tp_disagg(work: Path, reference: dict, reference_after: dict) -> dict:
         reqs = make_workload(_spec(5), CFG.model_config().vocab_size)
         out["identical_after_restart"] = _outputs(drive(
             cluster.client, reqs, check=cluster.check, timeout_s=60)) == reference_after
+        out["events_batches"] = _events_batches(cluster)
         out["gave_up"] = _kill_for_good(cluster, "prefill0.tp1")
     finally:
         cluster.stop()

@@ -7,9 +7,9 @@ from __future__ import annotations
 from common import KvCache
 from common.freelog import replay_file
 from common.model import ModelRunner, generate_greedy
+from common.node import PrefillEngine
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, finish_ranges
-from prefill_node.engine import PrefillEngine
 from tests.model_helpers import F64
 
 CFG = F64

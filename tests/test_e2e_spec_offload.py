@@ -23,9 +23,12 @@ from deploy.router.routes import label_of
 
 pytestmark = pytest.mark.timeout(180)
 
+# local_prefill_tokens=0: every request goes through the prefill (these stories are about
+# the transfer and both sides' prefix loads; a decode computing a later turn itself is
+# tests/test_routing.py's)
 CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=160, decode_pages=200,
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0,
-                  host_pages=400, debug_integrity=True)
+                  host_pages=400, debug_integrity=True, local_prefill_tokens=0)
 CHAT = WorkloadSpec(requests=9, seed=7, rate=40.0, prompt_len=(1, 30), output_len=(1, 12),
                     turns=3, shared_prefix=26, turn_gap_s=0.4)
 

@@ -30,6 +30,7 @@ FLOORS: list[set[str]] = [  # bottom first
     {"common.config"},
     {"common", "common.metrics"},
     {"common.auth"},
+    {"common.kv_events"},
     {"common.control"},
     {"transport"},
     {"common.node"},
@@ -44,7 +45,8 @@ FLOORS: list[set[str]] = [  # bottom first
 ]
 FLOOR_OF = {unit: n for n, units in enumerate(FLOORS) for unit in units}
 WINGS = ("common.node.tp", "common.kv", "common.freelog", "common.model", "common.host",
-         "common.node", "common.metrics", "common.parallel", "common.auth", "common.control")
+         "common.node", "common.metrics", "common.parallel", "common.auth", "common.control",
+         "common.kv_events")
 
 
 def unit_of(module: str) -> str:

@@ -14,9 +14,8 @@ from common import KvCache
 from common.freelog import replay_file
 from common.host import HostTier, Offloader
 from common.model import BatchItem, ModelRunner
-from common.node import PrefixReuse
+from common.node import PrefillEngine, PrefixReuse
 from common.request import Request, SamplingParams
-from prefill_node.engine import PrefillEngine
 from tests.model_helpers import F64, prompt
 
 LAYOUT = F64.kv_layout(with_draft=True)

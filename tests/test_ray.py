@@ -93,6 +93,9 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     for worker in ("prefill0", "decode0"):
         assert "lost" in tpd["states"][worker] and tpd["states"][worker][-1] == "ready", tpd
     assert tpd["decode_restarted"] and tpd["identical_after_restart"], tpd
+    # the router follows every worker's KV events, the restarted ones' at their new ports
+    assert set(tpd["events_batches"]) == {"prefill0", "prefill1", "decode0"}, tpd
+    assert all(n > 0 for n in tpd["events_batches"].values()), tpd["events_batches"]
     # the second kill finds the one restart spent: reported, not retried
     assert tpd["gave_up"].startswith("prefill0: its tensor-parallel group of 2 ranks went "
                                      "down after 1 restart(s)"), tpd["gave_up"]

@@ -119,22 +119,31 @@ CHAT = WorkloadSpec(requests=6, seed=7, rate=40.0, prompt_len=(1, 30), output_le
                    turns=3, shared_prefix=26, turn_gap_s=0.4)
 
 
-@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+@pytest.mark.parametrize("mode", ["disagg", "disagg-local", "colocated"])
 def test_tp2_groups_offload_and_reuse_prefixes_rank_by_rank(tmp_path, mode):
     """Host offload in tensor-parallel groups (P TP2 -> D TP2, and a colocated TP2 group),
     multi-turn chat: later turns load their shared prefix from the host tier, every rank
     its own heads of it. The output equals the single-process reference; every rank's
-    device and host logs replay clean, a follower's with rank 0's pages."""
-    cfg = CFG.with_overrides(offload=True, prefill_tp=2)
+    device and host logs replay clean, a follower's with rank 0's pages. ``disagg``
+    sends every turn through the prefill (its group's host tier must hit too);
+    ``disagg-local`` lets the router send later turns to the decode group alone, which
+    prefills their rest itself (conditional disaggregation, docs/routing.md)."""
+    local = 256 if mode == "disagg-local" else 0
+    cfg = CFG.with_overrides(offload=True, prefill_tp=2, local_prefill_tokens=local)
     model = Model(cfg.model_config())
     reqs = make_workload(CHAT, cfg.model_config().vocab_size)
     reference = {r.rid: generate_greedy(model, [r.prompt], r.max_new_tokens, page_size=4)[0]
                  for r in reqs}
-    disagg = mode == "disagg"
-    cluster = Cluster(cfg, mode, 1 if disagg else 0, 1, log_dir=str(tmp_path)).start()
+    disagg = mode != "colocated"
+    cluster = Cluster(cfg, "disagg" if disagg else mode, 1 if disagg else 0, 1,
+                      log_dir=str(tmp_path)).start()
     results, stats, _ = serve_workload(cluster, CHAT)
     cluster.check_exit_codes()
     assert {rid: r.output_ids for rid, r in results.items()} == reference
+    if local:  # later turns never reached the prefill: the decode computed their rest
+        assert stats["prefill0"]["sent"] < len(reqs), stats
+        assert stats["decode0"]["tokens_computed"] > 0, stats
+        stats = {"decode0": stats["decode0"]}
     for counts in stats.values():  # each group stored, and later turns hit
         assert counts["offloaded_pages"] > 0 and counts["prefix_hit_pages"] > 0, stats
     for worker in ("prefill0", "decode0") if disagg else ("colocated0",):

@@ -9,6 +9,7 @@ from common.auth.keys import create as create_keys
 from common.auth.keys import export as export_keys
 from common.auth.planes import (
     CONTROL_DOMAIN,
+    EVENTS_DOMAIN,
     INSECURE,
     KV_DOMAIN,
     InsecureBind,
@@ -17,13 +18,16 @@ from common.auth.planes import (
     check_bind,
     control_client,
     control_server,
+    events_client,
+    events_server,
     handshake_check,
     kv_plane,
     new_kv_plane,
     principal,
 )
 
-__all__ = ["CONTROL_DOMAIN", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys", "KeysError",
-           "PlaneAuth", "SecretOffer", "ServerGuard", "add_key", "check_bind",
-           "control_client", "control_server", "create_keys", "export_keys", "fetch_secret",
-           "handshake_check", "kv_plane", "new_kv_plane", "principal", "role_of"]
+__all__ = ["CONTROL_DOMAIN", "EVENTS_DOMAIN", "INSECURE", "InsecureBind", "KV_DOMAIN", "Keys",
+           "KeysError", "PlaneAuth", "SecretOffer", "ServerGuard", "add_key", "check_bind",
+           "control_client", "control_server", "create_keys", "events_client",
+           "events_server", "export_keys", "fetch_secret", "handshake_check", "kv_plane",
+           "new_kv_plane", "principal", "role_of"]

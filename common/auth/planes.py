@@ -7,6 +7,7 @@ Two planes, each with its own ``PlaneAuth``:
 | --- | --- | --- | --- |
 | control | router (``Hub``) | workers, clients, operator | the key directory (keys.py) |
 | KV | prefill (``RouterSocket``) | decode ranks | from the router's key, at registration |
+| KV events | each worker (PUB, replay ROUTER) | routers, operators | the key directory |
 
 A CURVE server admits exactly the client public keys it was given and tags every message
 with the identity name of its sender (ZAP ``User-Id``, read by ``principal``); a client
@@ -38,12 +39,16 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from common.auth.keys import Keys
+from common.auth.keys import Keys, role_of
 
 logger = logging.getLogger(__name__)
 MECHANISMS = ("null", "curve", "plain")
-CONTROL_DOMAIN, KV_DOMAIN = "pdkv-control", "pdkv-kv"
+CONTROL_DOMAIN, KV_DOMAIN, EVENTS_DOMAIN = "pdkv-control", "pdkv-kv", "pdkv-kv-events"
 KV_USER = "kv-peer"
+EVENTS_SUBSCRIBERS = ("router", "operator")
+"""Roles whose identities may subscribe to a worker's KV events: the deployment's router,
+an operator, and an external router given an identity of its own (``router-NAME``, which
+may send nothing on the control plane)."""
 
 
 class InsecureBind(RuntimeError):
@@ -179,6 +184,27 @@ def control_client(keys: Keys | None, name: str) -> PlaneAuth:
         return INSECURE
     me = keys.pair(name)
     return PlaneAuth("curve", CONTROL_DOMAIN, me.public, me.secret, keys.public("router"))
+
+
+def events_server(keys: Keys | None, identity: str) -> PlaneAuth:
+    """A worker's KV events sockets (PUB and replay), as identity ``identity``: CURVE with
+    its key pair, admitting the identities of role router and operator
+    (``EVENTS_SUBSCRIBERS``); without keys none (loopback only)."""
+    if keys is None:
+        return INSECURE
+    me = keys.pair(identity)
+    allowed = tuple((k, n) for k, n in keys.principals().items()
+                    if role_of(n) in EVENTS_SUBSCRIBERS)
+    return PlaneAuth("curve", EVENTS_DOMAIN, me.public, me.secret, allowed=allowed)
+
+
+def events_client(keys: Keys | None, identity: str, publisher: str) -> PlaneAuth:
+    """A subscriber of a worker's KV events, as ``identity``, trusting the public key of
+    the worker's identity ``publisher``; without keys none."""
+    if keys is None:
+        return INSECURE
+    me = keys.pair(identity)
+    return PlaneAuth("curve", EVENTS_DOMAIN, me.public, me.secret, keys.public(publisher))
 
 
 def principal(frame: zmq.Frame) -> str:

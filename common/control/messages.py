@@ -72,6 +72,11 @@ class Ready:
     comma-separated in rank order); empty otherwise."""
     pool_tokens: int
     """Tokens of its free pool at start (the router's capacity for it)."""
+    events_addr: str = ""
+    """Where its KV events are published (vLLM's ZMQ PUB contract, docs/kv_events.md);
+    empty: it publishes none."""
+    events_replay_addr: str = ""
+    """Its KV events replay socket (with ``events_addr``)."""
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.host.prefix_cache import HashChain, PrefixCache, prefix_len
+from common.host.chain import HashChain, prefix_len
+from common.host.prefix_cache import PrefixCache
 from common.host.tier import CACHE_OWNER, CopyEngine, CopyJob, HostTier
 from common.kv import DigestMismatch, KvCache, KvRecord
 
@@ -62,6 +63,8 @@ class StoreHandle:
     device_pin: int
     host_pin: int
     job: CopyJob
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    """Token ids of the stored pages (the prefix cache's listener publishes them)."""
     done: bool = False
 
     @property
@@ -148,7 +151,7 @@ class Offloader:
                 self.prefix.unref(parent)
                 logger.debug("host tier full of referenced pages; %s not offloaded", kv.owner)
                 return None
-            return self._start_store(kv, chain.keys[start:end], start, parent)
+            return self._start_store(kv, chain, start, end, parent)
 
     def complete_store(self, handle: StoreHandle, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s for ``handle``'s copy and complete it; True when done."""
@@ -156,9 +159,9 @@ class Offloader:
             self.poll()  # stores complete in order; this one's predecessors are done too
         return handle.done
 
-    def _start_store(self, kv: KvRecord, keys: list[bytes], start: int,
+    def _start_store(self, kv: KvRecord, chain: HashChain, start: int, end: int,
                      parent: bytes | None) -> StoreHandle:
-        ps = self.page_size
+        ps, keys = self.page_size, chain.keys[start:end]
         device_pages = self.cache.pages(kv, start * ps, (start + len(keys)) * ps)
         host_pages = self.host.allocate(len(keys), CACHE_OWNER)
         assert host_pages is not None, "host pages counted free just before"
@@ -174,7 +177,7 @@ class Offloader:
         host_pin = self.host.pin(host_pages, "offload")
         job = self.engine.submit(self.cache.data(), device_pages, self.host.data, host_pages)
         handle = StoreHandle(kv, start, keys, parent, device_pages, host_pages,
-                             device_pin, host_pin, job)
+                             device_pin, host_pin, job, chain.page_tokens(start, end))
         self._inflight.update(keys)
         self._stores.append(handle)
         self._pending[id(kv)] = self._pending.get(id(kv), 0) + 1
@@ -190,7 +193,7 @@ class Offloader:
         self.host.unpin(h.host_pin, record)
         self._inflight.difference_update(h.keys)
         if h.job.error is None and (h.parent is None or h.parent in self.prefix):
-            self.prefix.insert(h.keys, h.host_pages, h.parent)
+            self.prefix.insert(h.keys, h.host_pages, h.parent, h.tokens)
             self.num_offloaded_pages += len(h.keys)
         else:  # a failed copy, or one whose failed predecessor never became its parent
             logger.warning("offload of %d pages of %s dropped: %r", len(h.keys), h.owner,

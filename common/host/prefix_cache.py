@@ -1,13 +1,5 @@
-"""Prefix cache of the host tier: host pages keyed by a hash chain over full pages.
-
-A request's tokens split into full pages; page ``i``'s key hashes the previous key and
-page ``i``'s token ids (little-endian int32), so a key names the whole prefix up to the
-end of its page, and the same tokens after a different prefix never match:
-
-    key_0 = blake2b(root || tokens[0:ps]),  key_i = blake2b(key_{i-1} || tokens[i*ps:(i+1)*ps])
-    root  = blake2b("pdkv-prefix" || salt)     (salt: for example the model and layout)
-
-Only full pages get keys; the partial last page never does.
+"""Prefix cache of the host tier: host pages keyed by a hash chain over full pages
+(``common.host.chain``: a key names the whole prefix up to the end of its page).
 
 Chain consistency: an entry's parent is always cached, so the set of cached keys along
 any chain is a prefix (lookups use binary search). Eviction keeps it so by evicting only
@@ -15,61 +7,40 @@ leaves (entries with no cached child) that nobody references, least recently use
 ``ref(key)`` protects ``key`` and, since only leaves go, all its ancestors, with one count;
 in-flight loads and stores hold such a reference. Entries' pages are owned by
 ``cache:host`` in the host tier; eviction frees them there with reason ``evicted``.
+
+A ``CacheListener`` hears every entry that comes and goes, inside the cache's lock and so
+in the cache's own order (the KV events publish them: ``common.kv_events``); it must only
+take note, never call back into the cache.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from common.host.chain import prefix_len
 from common.host.tier import CACHE_OWNER, HostTier
 
 logger = logging.getLogger(__name__)
 
-_DIGEST = 16
 
+class CacheListener(Protocol):
+    """Hears the prefix cache's entries come and go (called under the cache's lock)."""
 
-class HashChain:
-    """The hash-chain keys of one request's full pages, extended as tokens arrive.
+    def stored(self, keys: Sequence[bytes], parent: bytes | None, tokens: np.ndarray
+               ) -> None:
+        """``keys`` (a chain, each the child of the one before, the first a child of
+        ``parent``; None: the root) were cached; ``tokens`` are their pages' token ids
+        (int32, ``len(keys) * page_size``)."""
 
-    Args:
-        page_size: tokens per page (the pool's).
-        salt: bytes mixed into the root key, so caches of different models never match.
-        tokens: initial token ids.
-    """
-
-    def __init__(self, page_size: int, salt: bytes = b"", tokens: Sequence[int] = ()):
-        if page_size < 1:
-            raise ValueError(f"HashChain page_size={page_size} must be >= 1")
-        self.page_size = page_size
-        self.keys: list[bytes] = []
-        self.num_tokens = 0
-        self._last = hashlib.blake2b(b"pdkv-prefix" + salt, digest_size=_DIGEST).digest()
-        self._partial = np.zeros(0, dtype="<i4")
-        self.extend(tokens)
-
-    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Append token ids; every page they complete gets its key."""
-        arr = np.concatenate((self._partial, np.asarray(tokens, dtype="<i4").ravel()))
-        ps, full = self.page_size, len(arr) // self.page_size
-        data = arr[:full * ps].tobytes()
-        step = ps * 4
-        for i in range(full):
-            self._last = hashlib.blake2b(self._last + data[i * step:(i + 1) * step],
-                                         digest_size=_DIGEST).digest()
-            self.keys.append(self._last)
-        self._partial = arr[full * ps:].copy()
-        self.num_tokens = len(self.keys) * ps + len(self._partial)
-
-    def __len__(self) -> int:
-        """Number of full pages (keys)."""
-        return len(self.keys)
+    def removed(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were evicted (leaves first: a child before its parent)."""
 
 
 @dataclass
@@ -99,6 +70,8 @@ class PrefixCache:
         self._clock = 0
         self._lock = threading.RLock()
         self.num_evicted = 0
+        self.listener: CacheListener | None = None
+        """Told of every entry stored and evicted (set before the first ``insert``)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -141,15 +114,20 @@ class PrefixCache:
                 self._push_if_candidate(keys[n - 1])
             return pages
 
-    def insert(self, keys: Sequence[bytes], pages: np.ndarray, parent: bytes | None) -> None:
+    def insert(self, keys: Sequence[bytes], pages: np.ndarray, parent: bytes | None,
+               tokens: np.ndarray | None = None) -> None:
         """Add a chain of new entries: ``keys[i]`` holds ``pages[i]``; ``parent`` precedes.
 
         The cache takes ownership of ``pages`` (owned by ``cache:host`` in the host tier).
         ``parent`` must be cached (or ``None`` at the root); ``keys`` must be new.
+        ``tokens`` (the pages' token ids) go to the ``listener``, which needs them.
         """
         with self._lock:
             assert len(keys) == len(pages), f"{len(keys)} keys, {len(pages)} pages"
             assert parent is None or parent in self._entries, "parent of insert not cached"
+            if self.listener is not None and len(keys):
+                assert tokens is not None, "insert without tokens while a listener hears"
+                self.listener.stored(list(keys), parent, tokens)
             self._clock += 1
             for key, page in zip(keys, pages):
                 assert key not in self._entries, "insert of a key already cached"
@@ -185,17 +163,26 @@ class PrefixCache:
         """
         with self._lock:
             freed: list[int] = []
+            keys: list[bytes] = []
             while len(freed) < num_pages and self._heap:
                 last_use, key = heapq.heappop(self._heap)
                 entry = self._entries.get(key)
                 if entry is None or entry.last_use != last_use or not self._candidate(key):
                     continue  # stale heap item
                 freed.append(self._remove(key))
+                keys.append(key)
             if freed:
+                if self.listener is not None:
+                    self.listener.removed(keys)
                 self.host.free(np.asarray(freed, dtype=np.int32), CACHE_OWNER, "evicted")
                 self.num_evicted += len(freed)
                 logger.debug("evicted %d host pages, %d cached", len(freed), len(self))
             return len(freed)
+
+    def keys(self) -> dict[bytes, bytes | None]:
+        """Every cached key and its parent (None at the root): the cache's state."""
+        with self._lock:
+            return {key: entry.parent for key, entry in self._entries.items()}
 
     def check_integrity(self) -> None:
         """Every parent cached, children counts right, pages distinct and owned by the cache."""
@@ -231,18 +218,3 @@ class PrefixCache:
             self._push_if_candidate(entry.parent)
         return entry.page
 
-
-def prefix_len(keys: Sequence[bytes], present: Callable[[bytes], bool],
-               limit: int | None = None) -> int:
-    """Binary search for the longest prefix of ``keys[:limit]`` that ``present`` accepts.
-
-    Correct because the accepted keys of a chain always form a prefix (see module doc).
-    """
-    lo, hi = 0, len(keys) if limit is None else min(limit, len(keys))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if present(keys[mid]):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo

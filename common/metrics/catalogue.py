@@ -138,9 +138,47 @@ METRICS: tuple[MetricDef, ...] = (
               "prefill), drained (the worker drained past drain_timeout_s). The workers free "
               "what they held for the attempt that moved with reason migrated.",
               ("cause",), "router"),
+    # -- routing (deploy/router/placement.py, docs/routing.md) ---------------------------
+    MetricDef("pdkv_routing_decisions_total", "counter", "Workers the router chose, by stage "
+              "(prefill, decode) and why: prefix (its cached prefix decided), load (no "
+              "worker had a hit, or routing is least-loaded), imbalance (prefix routing fell "
+              "back to load: the role's busiest worker ran too many more requests), local "
+              "(stage prefill: none; the decode computes the prompt's uncached rest itself).",
+              ("stage", "reason"), "router"),
+    MetricDef("pdkv_routing_prompt_tokens_total", "counter", "Prompt tokens of the requests "
+              "routed to a stage's workers (prefill: those given a prefill).", ("stage",),
+              "router"),
+    MetricDef("pdkv_routing_cached_tokens_total", "counter", "Of those, the tokens the "
+              "router's index showed cached on the chosen worker when it chose (tier: device "
+              "or host): the hits routing expected.", ("stage", "tier"), "router"),
+    MetricDef("pdkv_request_prompt_tokens_total", "counter", "Prompt tokens of the requests "
+              "that finished (stop or length).", (), "router"),
+    MetricDef("pdkv_request_cached_tokens_total", "counter", "Of those, the tokens a "
+              "worker's host tier supplied instead of computing or receiving them (the "
+              "larger of the prefill's and the decode's count).", (), "router"),
+    MetricDef("pdkv_prefix_hit_ratio", "gauge", "pdkv_request_cached_tokens_total over "
+              "pdkv_request_prompt_tokens_total since the router started (0 before any "
+              "request finished).", (), "router"),
+    MetricDef("pdkv_kv_events_batches_total", "counter", "KV event batches the router "
+              "applied to its prefix index, by publisher (a worker).", ("publisher",),
+              "router"),
+    MetricDef("pdkv_kv_events_gaps_total", "counter", "Gaps in a publisher's sequence "
+              "numbers the router saw (each one asked its replay socket).", ("publisher",),
+              "router"),
+    MetricDef("pdkv_kv_events_lost_batches_total", "counter", "Batches neither the stream "
+              "nor the replay brought (past the publisher's replay ring, or undecodable): "
+              "the router dropped that worker's index entries and rebuilds them from its "
+              "later events.", ("publisher",), "router"),
+    MetricDef("pdkv_kv_events_blocks", "gauge", "Blocks the router's index holds per "
+              "publisher and medium (GPU: device pool, CPU: host tier).",
+              ("publisher", "medium"), "router"),
     MetricDef("pdkv_prompt_tokens_total", "counter", "Prompt tokens of the requests a worker "
               "prefilled (cached prefix included)."),
     MetricDef("pdkv_generation_tokens_total", "counter", "Tokens a worker generated."),
+    MetricDef("pdkv_prefill_computed_tokens_total", "counter", "Prompt tokens a worker "
+              "computed (a prefix loaded from its host tier not included): prefill and "
+              "colocated workers, and a decode for the prompts it prefills itself "
+              "(conditional disaggregation)."),
     MetricDef("pdkv_ttft_seconds", "histogram", "Time to first token at the router, submit "
               "to the first token relayed.", (), "router", LATENCY_BUCKETS),
     MetricDef("pdkv_tpot_seconds", "histogram", "Time per output token after the first, per "

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 import common.trace as trace
-from common.auth import INSECURE, Keys, PlaneAuth, control_client
+from common.auth import INSECURE, Keys, PlaneAuth, control_client, events_server
 from common.config import ServeConfig
 from common.control import (
     Abort,
@@ -62,6 +62,7 @@ from common.freelog import freelog_file, log_problems
 from common.kv import KvCache, reclaim_orphans, segment_stem
 from common.model import Model, ModelRunner
 from common.node import stop_signals
+from common.node.events import EventsSpec, WorkerEvents
 from common.node.pulse import Pulse
 from common.node.registration import RouterLost, check_deployment, register
 from common.node.tp import TpLeader, TpSpec, check_draft_split, leader_cache
@@ -92,6 +93,7 @@ class WorkerBase(ABC):
             deployment's checkpoints (``pdkv prefill --model DIR``); empty: the router's.
         keys: the deployment's key directory (CURVE to the router); None: no keys.
         identity: the key directory's identity this worker runs as (role ``worker``).
+        events: publish the worker's KV events there (common/node/events.py); None: not.
     """
 
     role = "worker"
@@ -99,7 +101,8 @@ class WorkerBase(ABC):
     def __init__(self, name: str, router: str | ControlLink, device: str = "cpu",
                  log_dir: str | None = None, register_timeout_s: float = 60.0, *,
                  local_models: dict[str, str] | None = None, tp: TpSpec | None = None,
-                 keys: Keys | None = None, identity: str = "worker") -> None:
+                 keys: Keys | None = None, identity: str = "worker",
+                 events: EventsSpec | None = None) -> None:
         self.name, self.device, self.log_dir = name, device, log_dir
         self.tp_spec = tp if tp is not None and tp.size > 1 else None
         """Where rank 0 of a tensor-parallel group finds its ranks; None: one rank."""
@@ -118,6 +121,11 @@ class WorkerBase(ABC):
         before any I/O, when the key directory lacks ``identity``)."""
         self.kv_auth: PlaneAuth = INSECURE
         """How this worker's KV sockets authenticate (from the router's ``Registered``)."""
+        self.events_spec = events
+        self.events_auth = events_server(keys, identity) if events else INSECURE
+        """How its KV events sockets authenticate (raises ``KeysError`` now, as above)."""
+        self.events: WorkerEvents | None = None
+        self.events_stats: dict = {}
         self.ctx = zmq.Context()
         self.config: ServeConfig | None = None
         self.cache: KvCache | None = None
@@ -164,12 +172,33 @@ class WorkerBase(ABC):
         self.reclaim_segments()   # a killed worker of this deployment may have left some
         self.build()
         self.built = True
+        self._start_events()
         self._last_router = self._next_load = time.monotonic()
         self._last_load = self.load()
         pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
-        self.link.send(Ready(self.name, self.kv_address(), pool))
+        self.link.send(self._ready(pool))
         logger.info("%s: ready (%s, pool %d tokens, kv %s)", self.name, self.role, pool,
                     self.kv_address() or "-")
+
+    def _ready(self, pool: int) -> Ready:
+        events = self.events.addresses if self.events is not None else ("", "")
+        return Ready(self.name, self.kv_address(), pool, *events)
+
+    def _start_events(self) -> None:
+        """Publish the caches' KV events (``events``), before any entry is cached."""
+        if self.events_spec is None:
+            return
+        self.events = WorkerEvents(self.events_spec, self.events_auth, self.ctx)
+        self.events.watch(self.host_offloader(), self.config.page_size)
+        logger.info("%s: KV events at %s (replay %s)", self.name, *self.events.addresses)
+
+    def _close_events(self) -> None:
+        """After the caches' last change: their state for the final stats, then the
+        last batch (``AllBlocksCleared``)."""
+        if self.events is not None:
+            self.events_stats = self.events.state()
+            self.events.close()
+            self.events = None
 
     def _register(self, timeout_s: float) -> ServeConfig:
         msg = register(self.link, self.role, self.name, self.router_addr, timeout_s,
@@ -413,7 +442,7 @@ class WorkerBase(ABC):
                              f"(changed: {changed}); restart this worker to serve it")
         self._last_router = self._next_load = time.monotonic()
         pool = self.cache.num_free_pages() * config.page_size if self.cache else 0
-        self.link.send(Ready(self.name, self.kv_address(), pool))
+        self.link.send(self._ready(pool))
         logger.warning("%s: registered again with the router; serving", self.name)
 
     def reclaim_segments(self) -> None:
@@ -531,6 +560,11 @@ class WorkerBase(ABC):
         peers get heartbeats while a step runs; None without one."""
         return None
 
+    def host_offloader(self):
+        """The ``Offloader`` of this worker's host tier (its prefix cache publishes KV
+        events), or None without one."""
+        return None
+
     def sockets(self) -> list:
         """Extra sockets whose input should wake the idle loop."""
         return []
@@ -567,13 +601,17 @@ class WorkerBase(ABC):
             if self.built:
                 self.built = False
                 self.shutdown()
+                self._close_events()
                 if self.tp is not None:  # the followers' last reports, then their close
                     self.tp.ask(final=True)
                     self.tp.stop()
                 self._report(self._final_load(), final=True)
                 self.link.send(Stats(self.name, {**self.stats(), **_free_log_stats(),
-                                                 **(self.tp.stats() if self.tp else {})}))
+                                                 **(self.tp.stats() if self.tp else {}),
+                                                 **self.events_stats}))
         finally:
+            if self.events is not None:  # a failed build or shutdown: no last batch
+                self.events.publisher.close(0.0)
             if self.link is not None:
                 self.link.close_after(_FAREWELL_S)
             self.ctx.destroy(linger=0)  # also closes what a failed build left open

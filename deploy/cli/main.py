@@ -17,6 +17,7 @@ from deploy.launch.flags import (
     add_http_flags,
     add_log_level,
     add_metrics_flags,
+    add_routing_flags,
     add_workload_flags,
 )
 
@@ -282,6 +283,7 @@ def _add_router(sub) -> None:
                    help="address to bind (default tcp://127.0.0.1:5555; any other host "
                         "needs --auth-keys)")
     add_config_source(p, "default: the embedded default")
+    add_routing_flags(p)
     add_metrics_flags(p)
     g = p.add_argument_group("authentication (docs/security.md)")
     g.add_argument("--auth-keys", metavar="DIR", default=os.environ.get("PDKV_AUTH_KEYS"),
@@ -330,6 +332,18 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-rendezvous-timeout-s", type=float, default=120.0, metavar="S",
                    help="how long the ranks wait for each other to start and join, a "
                         "startup deadline (default 120; pdkv run passes ready_timeout_s)")
+    g = p.add_argument_group("KV events (docs/kv_events.md)")
+    g.add_argument("--kv-events-endpoint", default="", metavar="ADDR",
+                   help="publish what this worker's caches hold in vLLM's KV events format "
+                        "on a ZMQ PUB socket bound here (e.g. tcp://127.0.0.1:5557; another "
+                        "host's router needs tcp://0.0.0.0:5557 and --auth-keys); the router "
+                        "learns the address at registration (default: no events)")
+    g.add_argument("--kv-events-replay-endpoint", default="", metavar="ADDR",
+                   help="the replay socket's bind address (default: the next TCP port, or "
+                        "PATH.replay for ipc://PATH)")
+    g.add_argument("--kv-events-advertise-host", default="", metavar="HOST",
+                   help="the host subscribers connect to when the endpoint binds a wildcard "
+                        "(default: this host's name)")
     add_auth_flags(p, "worker", "the deployment's key directory")
     add_log_level(p)
     p.set_defaults(func=_run_worker)

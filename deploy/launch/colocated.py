@@ -23,10 +23,9 @@ from common import trace
 from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
 from common.model import ModelRunner, sample
-from common.node import WorkerBase
+from common.node import PrefillEngine, WorkerBase
 from common.request import Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
-from prefill_node.engine import PrefillEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +51,9 @@ class ColocatedWorker(WorkerBase):
         """Steps whose forward carried both decode tokens and prompt chunks."""
         self._computed: list[Request] = []
         watch_host(self.metrics, self.scheduler.offloader)
+
+    def host_offloader(self):
+        return self.scheduler.offloader
 
     def on_abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.scheduler.find(rid)
@@ -197,7 +199,8 @@ class ColocatedWorker(WorkerBase):
                                      "mixed_steps": self.num_mixed_steps})
 
     def metric_readings(self) -> list:
-        return self.scheduler.metric_readings()
+        return [*self.scheduler.metric_readings(),
+                ("pdkv_prefill_computed_tokens_total", {}, self.engine.num_tokens_computed)]
 
     def abandon(self, detail: str) -> None:
         self.scheduler.abort_all(detail)

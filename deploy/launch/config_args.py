@@ -18,7 +18,7 @@ _FLAG_FIELDS = ("dtype", "page_size", "prefill_pages", "decode_pages", "chunk_si
                 "max_running", "transport", "debug_integrity", "spec_k", "offload",
                 "host_pages", "overcommit", "prefix_load_timeout_s", "prefill_tp",
                 "decode_tp", "tp_timeout_s", "kv_transport", "kv_security", "kv_memory_mib",
-                "gpu_memory_utilization", "host_memory_mib")
+                "gpu_memory_utilization", "host_memory_mib", "routing", "local_prefill_tokens")
 _FLAG_OF = {"model": "--model", "model_path": "--model", "draft_model_path": "--draft-model"}
 
 

@@ -55,7 +55,20 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout-s", type=float, metavar="S",
                    help="deadline of every collective of a tensor-parallel group; a rank "
                         "silent this long takes its group down (default 30)")
+    add_routing_flags(p)
     add_spec_host_flags(p)
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing (docs/routing.md)")
+    g.add_argument("--routing", choices=["prefix", "least-loaded"],
+                   help="prefix (default): send each request where its prompt's blocks are "
+                        "cached (the workers' KV events), against load; least-loaded: by "
+                        "load alone")
+    g.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="prefix routing: a decode that holds most of the prompt computes "
+                        "up to N uncached prompt tokens itself, without a prefill (default "
+                        "256; 0: always a prefill)")
 
 
 def add_config_source(g, note: str) -> None:

@@ -190,6 +190,10 @@ class Cluster:
                 if role == "prefill":  # every rank of a prefill group sends its own heads
                     argv += ["--kv-bind", self._address(name if not rank else
                                                         f"{name}.tp{rank}")]
+                if not rank and self.config.routing == "prefix":  # rank 0 publishes
+                    argv += ["--kv-events-endpoint", self._address(f"{name}.events"),
+                             "--kv-events-replay-endpoint",
+                             self._address(f"{name}.events-replay")]
                 if rank:  # a follower rank: no router registration, a log of its own
                     procs.append(Proc(f"{name}.tp{rank}", RANK, [*argv, "--tp-rank",
                                       str(rank)], self.log_dir / f"{name}.tp{rank}.log"))
@@ -300,6 +304,17 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError(f"workers not ready within {self.config.ready_timeout_s}s "
                            f"(see logs in {self.log_dir})")
+
+    def events_endpoints(self) -> dict[str, tuple[str, str]]:
+        """Each worker's KV events (PUB, replay) addresses, as it was told to bind them
+        (``routing = "prefix"``; docs/kv_events.md)."""
+        out = {}
+        for p in self.procs:
+            if "--kv-events-endpoint" in p.argv:
+                i, j = (p.argv.index(f) + 1 for f in ("--kv-events-endpoint",
+                                                      "--kv-events-replay-endpoint"))
+                out[p.name] = (p.argv[i], p.argv[j])
+        return out
 
     def worker_names(self) -> set[str]:
         """The workers that register with the router (followers of a TP group do not)."""

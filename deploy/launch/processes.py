@@ -17,7 +17,7 @@ import logging
 import socket
 from pathlib import Path
 
-from common.config import DEFAULT, ServeConfig
+from common.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,11 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    """``--config FILE.json`` or ``--config-json JSON`` (as ``pdkv run``), else the default."""
+    """``--config FILE.json`` or ``--config-json JSON`` (as ``pdkv run``), else the
+    default; then the routing flags."""
     from deploy.launch.config_args import config_from_args
 
-    return config_from_args(args) if getattr(args, "config", None) or \
-        getattr(args, "config_json", None) else DEFAULT
+    return config_from_args(args)
 
 
 def _keys(args: argparse.Namespace):
@@ -89,6 +89,10 @@ def run_worker(args: argparse.Namespace) -> int:
             return 2
     try:
         worker = _build(args, name, tp)
+    except (KeysError, InsecureBind, ValueError) as exc:  # flags: before anything starts
+        logger.error("%s: %s", name, exc)
+        return 2
+    try:
         worker.serve()
     except RouterLost as exc:
         logger.error("%s", exc)
@@ -109,12 +113,29 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace, secured: bool):
+    """The worker's KV events spec from its flags (None: no events); an address that
+    needs keys is refused now, before registering."""
+    endpoint = getattr(args, "kv_events_endpoint", "")
+    if not endpoint:
+        return None
+    from common.auth import check_bind
+    from common.kv_events import replay_address
+    from common.node import EventsSpec
+
+    replay = args.kv_events_replay_endpoint or replay_address(endpoint)
+    for address in (endpoint, replay):
+        check_bind(address, secured)
+    return EventsSpec(endpoint, replay, args.kv_events_advertise_host)
+
+
 def _build(args: argparse.Namespace, name: str, tp=None):
     local = {field: str(Path(value).expanduser().resolve()) for field, value in
              (("model_path", args.model), ("draft_model_path", args.draft_model)) if value}
     common = dict(name=name, router=args.router, device=args.device, log_dir=args.log_dir,
                   register_timeout_s=getattr(args, "connect_timeout", 60.0),
-                  local_models=local, keys=_keys(args), identity=args.identity)
+                  local_models=local, keys=_keys(args), identity=args.identity,
+                  events=_events(args, _keys(args) is not None))
     if args.command == "prefill":
         from common.auth import check_bind
         from prefill_node.worker import PrefillWorker

@@ -45,6 +45,8 @@ class Result:
     migrations: int = 0
     """How often the router moved the request to other workers (a worker died or
     drained); its tokens are those of a run without the move."""
+    cached_tokens: int = 0
+    """Prompt tokens a worker's host tier supplied (the router's ``Done``)."""
 
     @property
     def ok(self) -> bool:
@@ -166,7 +168,7 @@ class _Session:
         if self.next_i < len(self.requests):
             wait = min(wait, max(0.0, self.t0 + self.requests[self.next_i].arrival_s - now))
         for msg in self.client.poll(wait):
-            if _on_message(self.results, msg):
+            if on_message(self.results, msg):
                 self.done += 1
                 if progress is not None:
                     progress(self.done, len(self.requests))
@@ -201,7 +203,7 @@ def _abort_on_tokens(client: Client, results: dict[str, Result],
             del after[rid]
 
 
-def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
+def on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
     """Apply one router message; True when it ended a request."""
     res = results.get(getattr(msg, "rid", ""))
     if res is None or res.reason:
@@ -218,6 +220,7 @@ def _on_message(results: dict[str, Result], msg: Message | Malformed) -> bool:
         res.xfer_s, res.kv_bytes = msg.xfer_s, msg.kv_bytes
         res.final_text, res.prompt_tokens = msg.text, msg.prompt_tokens
         res.migrations = msg.migrations
+        res.cached_tokens = msg.cached_tokens
         return True
     if isinstance(msg, Error):
         res.t_done, res.reason, res.error = now, "error", msg.error

@@ -33,6 +33,10 @@ class RouterMetrics:
         self._e2e = self.node.histogram("pdkv_e2e_latency_seconds")
         self._migrations = self.node.counter("pdkv_migrations_total")
         self._timing: dict[str, list[float]] = {}   # rid -> [t_submit, t_first, t_last, n]
+        self._served_prompt = self.node.counter("pdkv_request_prompt_tokens_total")
+        self._served_cached = self.node.counter("pdkv_request_cached_tokens_total")
+        self.served_tokens = [0, 0]  # prompt, cached: of the requests that finished
+        self.node.gauge("pdkv_prefix_hit_ratio").set_function(self.hit_ratio)
         self.server: MetricsServer | None = None
 
     # -- requests ------------------------------------------------------------------------
@@ -77,6 +81,18 @@ class RouterMetrics:
         self._e2e.observe(time.monotonic() - t_submit)
         if n > 1:
             self._tpot.observe((t_last - t_first) / (n - 1))
+
+    def served(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request finished: its prompt and the part of it a host tier supplied."""
+        cached_tokens = min(cached_tokens, prompt_tokens)
+        self._served_prompt.inc(prompt_tokens)
+        self._served_cached.inc(cached_tokens)
+        self.served_tokens[0] += prompt_tokens
+        self.served_tokens[1] += cached_tokens
+
+    def hit_ratio(self) -> float:
+        prompt, cached = self.served_tokens
+        return cached / prompt if prompt else 0.0
 
     # -- workers -------------------------------------------------------------------------
     def report(self, worker: str, role: str, families: bytes, final: bool) -> bool:

@@ -144,6 +144,7 @@ class Migrations:
         decode.routed += 1
         if prefill is not None:
             prefill.assigned += route.attempt_prompt_len
+            prefill.routed += 1  # released with its Prefilled, as a decode's with Done
 
     def _send_attempt(self, route: Route, prompt: list[int], params: SamplingParams,
                       prefill: WorkerInfo | None) -> None:

@@ -79,7 +79,7 @@ from deploy.router.drain import Draining
 from deploy.router.errors import Overloaded
 from deploy.router.metrics import RouterMetrics
 from deploy.router.migration import Migrations
-from deploy.router.placement import WorkerInfo, pick
+from deploy.router.placement import Placement, WorkerInfo
 from deploy.router.roles import is_operator, may_send
 from deploy.router.routes import Route, RouteTable
 from deploy.router.text_encoder import Job, TextEncoder
@@ -149,6 +149,8 @@ class Router(Migrations, Draining):
             MetricsReport: self._on_metrics_report, MetricsQuery: self._on_metrics_query,
             Drain: self._on_drain}
         self.metrics = RouterMetrics(lambda: len(self.routes), lambda: len(self.encoder))
+        self.placement = Placement(config, keys, self.metrics.node)
+        """Where requests go: ``config.routing``, over the workers' KV events."""
         if metrics_port is not None:
             self.metrics.serve_http(metrics_host, metrics_port)
 
@@ -180,8 +182,10 @@ class Router(Migrations, Draining):
         return wait
 
     def close(self) -> None:
-        """Stop the encoding threads and the metrics server, close the socket."""
+        """Stop the encoding threads, the KV events feed and the metrics server, close
+        the socket."""
         self.encoder.close()
+        self.placement.close()
         self.metrics.close()
         self.hub.close(_FAREWELL_S if self.shutdown_by is not None else 0.0)
         self.ctx.term()
@@ -297,6 +301,8 @@ class Router(Migrations, Draining):
     def _on_ready(self, peer: bytes, msg: Ready) -> None:
         w = self.workers[self.by_peer[peer]]
         w.ready, w.kv_addr, w.pool_tokens = True, msg.kv_addr, msg.pool_tokens
+        self.placement.watch(w, msg.events_addr, msg.events_replay_addr,
+                             self.identities.get(peer, ""))
         logger.info("router: %s ready (%d pool tokens)", w.name, w.pool_tokens)
 
     def _on_load(self, peer: bytes, msg: Load) -> None:
@@ -452,8 +458,9 @@ class Router(Migrations, Draining):
         Raises:
             BadRequest: no worker can take it."""
         prompt, params = admitted.prompt, admitted.params
-        decode, prefill = pick(self.workers.values(), len(prompt),
-                               len(prompt) + params.max_new_tokens)
+        chosen = self.placement.pick(self.workers.values(), prompt,
+                                     len(prompt) + params.max_new_tokens)
+        decode, prefill = chosen.decode, chosen.prefill
         self._route(Route(rid, label, peer, decode.name, prefill.name if prefill else "",
                           len(prompt), len(prompt) + params.max_new_tokens, t_submit,
                           text=admitted.text, prompt_ids=pack_ids(prompt) if
@@ -567,6 +574,8 @@ class Router(Migrations, Draining):
         final = route.final()
         self.hub.send(route.client, final)
         self.metrics.finished(route.rid, final.reason)
+        if final.ok:
+            self.metrics.served(route.prompt_len, final.cached_tokens)
 
     def _fail(self, route: Route, reason: str, error: str) -> None:
         """End ``route`` before its decode finished: tell the client, abort its workers.
@@ -591,6 +600,7 @@ class Router(Migrations, Draining):
             return
         w.lost = True
         self.metrics.lost(w.name, w.role)
+        self.placement.forget(w.name)
         # after a shutdown every worker leaves: expected, not an error
         log = logger.info if self.shutdown_by is not None else logger.error
         log("router: worker %s (%s, pid %s) lost: %s", w.name, w.role, w.pid, why)

@@ -15,7 +15,8 @@ one's lease to run out (the router must declare it lost before the name is free 
 then starts the command again; the worker registers anew and serves.
 
 ``{ip}`` and ``{port}`` in the command line become the node's address and a free port
-there (``{port2}``: a second one, for a process that binds two), so addresses are
+there (``{port2}``: a second one, for a process that binds two; ``{eport}`` and
+``{eport2}``: a worker's KV events and their replay socket), so addresses are
 advertised with the node's address: same node means shared memory between prefill and
 decode, different nodes ZMQ frames. ``{lport}`` is a free loopback port (a
 tensor-parallel group's rendezvous: its ranks share the node).
@@ -53,10 +54,16 @@ class ProcHost:
             time.sleep(restart_delay_s)
         ip = ray.util.get_node_ip_address()
         port = _free_port(ip)
-        port2 = next(p for p in iter(lambda: _free_port(ip), None) if p != port)
+        taken = {port}
+        more = []  # {port2}; {eport} and {eport2}: a worker's KV events and their replay
+        for _ in range(3):
+            more.append(next(p for p in iter(lambda: _free_port(ip), None) if p not in taken))
+            taken.add(more[-1])
+        port2, eport, eport2 = more
         lport = _free_port("127.0.0.1")
         self.argv = [a.replace("{ip}", ip).replace("{port}", str(port))
                      .replace("{port2}", str(port2)).replace("{lport}", str(lport))
+                     .replace("{eport}", str(eport)).replace("{eport2}", str(eport2))
                      for a in argv]
         self.node = {"ip": ip, "node_id": ctx.get_node_id()}
         self.log_path = log_path

@@ -98,6 +98,11 @@ class RayCluster(Cluster):
     def _plan(self, num_prefill: int, num_decode: int) -> list[Proc]:
         procs = super()._plan(num_prefill, num_decode)
         procs[0].argv[procs[0].argv.index("--bind") + 1] = "tcp://{ip}:{port}"
+        for p in procs:  # KV events on the worker's node, at ports its actor picks
+            for flag, port in (("--kv-events-endpoint", "{eport}"),
+                               ("--kv-events-replay-endpoint", "{eport2}")):
+                if flag in p.argv:
+                    p.argv[p.argv.index(flag) + 1] = f"tcp://{{ip}}:{port}"
         # A group's rendezvous is on its rank 0's node, which all its ranks share
         # (STRICT_PACK), so it binds loopback: the group's connection authenticates
         # nothing and no other host needs to reach it.

@@ -1,4 +1,6 @@
-"""Chunked prefill over rows of a ``KvCache``: the compute half of a prefill worker.
+"""Chunked prefill over rows of a ``KvCache``: the compute half of a prefill worker, of
+a colocated worker, and of a decode that prefills a prompt's short uncached rest itself
+(conditional disaggregation).
 
 The engine owns no sockets and frees nothing: the worker admits a ``Request`` (opens and
 extends its row), hands it here, and after each ``step`` learns which requests advanced
