@@ -169,7 +169,10 @@ def _events_batches(cluster: RayCluster) -> dict[str, float]:
 
 def _states(cluster: RayCluster, names: list[str], deadline_s: float) -> dict:
     """Each worker's states as the router reports them (``lost``, ``building``,
-    ``ready``), until every one of ``names`` was lost and is ready again."""
+    ``ready``), until every one of ``names`` is ready and the last, restarted while
+    watched, was seen lost. The others may have been restarted before (prefill0's
+    requests move, so the workload that killed it can end before it is back): their
+    restart is the supervisor's event."""
     seen: dict[str, list[str]] = {n: [] for n in names}
     deadline = time.monotonic() + deadline_s  # a restart imports torch again: slow
     while time.monotonic() < deadline:
@@ -181,7 +184,7 @@ def _states(cluster: RayCluster, names: list[str], deadline_s: float) -> dict:
                 "ready" if w["ready"] else "building"
             if not seen[n] or seen[n][-1] != state:
                 seen[n].append(state)
-        if all("lost" in s and s[-1] == "ready" for s in seen.values()):
+        if all(s[-1] == "ready" for s in seen.values()) and "lost" in seen[names[-1]]:
             break
         time.sleep(0.2)
     return seen
@@ -189,7 +192,7 @@ def _states(cluster: RayCluster, names: list[str], deadline_s: float) -> dict:
 
 def _kill_mid_run(cluster: RayCluster, victim: str) -> dict:
     """SIGKILL process ``victim`` once a request of a long workload finished: what its
-    group had in flight fails, the other prefill's requests finish."""
+    group had in flight moves to the other prefill, so every request finishes."""
     procs = {p.name: p for p in cluster.procs}
     spec = WorkloadSpec(requests=10, seed=11, rate=200.0, prompt_len=(40, 60),
                         output_len=(30, 40))

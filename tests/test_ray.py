@@ -80,9 +80,9 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     assert tpd["nodes"]["prefill0"] == tpd["nodes"]["prefill0.tp1"] != \
         tpd["nodes"]["prefill1"] == tpd["nodes"]["prefill1.tp1"], tpd["nodes"]
     assert tpd["nodes"]["decode0"] in (tpd["nodes"]["prefill0"], tpd["nodes"]["prefill1"])
-    # prefill0's rank 1 SIGKILLed mid-run: what its group held fails, the rest finishes
+    # prefill0's rank 1 SIGKILLed mid-run: what its group held moves to prefill1
     mid = tpd["mid_run"]
-    assert mid["killed"] and mid["failed"] and mid["ok"], mid
+    assert mid["killed"] and not mid["failed"] and mid["ok"] == 10, mid
     # rank 0 left on its own (1); both came back on their placement group's node, and
     # the decode's actor (killed meanwhile) was restarted by Ray; both re-registered
     [event] = tpd["events"]
@@ -90,8 +90,10 @@ def test_ray_deployments_on_two_nodes_all_on_loopback(tmp_path):
     assert event["exits"] == {"prefill0": 1, "prefill0.tp1": -9}, event
     assert tpd["nodes_after"]["prefill0"] == tpd["nodes"]["prefill0"], tpd["nodes_after"]
     assert tpd["nodes_after"]["prefill0.tp1"] == tpd["nodes"]["prefill0"]
-    for worker in ("prefill0", "decode0"):
-        assert "lost" in tpd["states"][worker] and tpd["states"][worker][-1] == "ready", tpd
+    # prefill0's requests moved, so it may be back before the states are watched
+    assert tpd["states"]["prefill0"][-1] == "ready", tpd["states"]
+    assert "lost" in tpd["states"]["decode0"] and tpd["states"]["decode0"][-1] == "ready", \
+        tpd["states"]
     assert tpd["decode_restarted"] and tpd["identical_after_restart"], tpd
     # the router follows every worker's KV events, the restarted ones' at their new ports
     assert set(tpd["events_batches"]) == {"prefill0", "prefill1", "decode0"}, tpd

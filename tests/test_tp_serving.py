@@ -214,7 +214,7 @@ def _allocs(path) -> tuple[str, list[tuple[str, bytes]]]:
                                  if e.get("op") == "alloc"]
 
 
-def test_a_killed_rank_takes_its_group_down_and_the_deployment_serves_on(
+def test_a_killed_rank_takes_its_group_down_and_its_requests_move(
         start, reference, tmp_path):
     cluster = start(2)
     ranks = {p.name: p for p in cluster.procs}
@@ -231,10 +231,10 @@ def test_a_killed_rank_takes_its_group_down_and_the_deployment_serves_on(
     results = drive(cluster.client, reqs, progress=kill_once, timeout_s=120,
                     lease_s=CFG.lease_s)
     assert killed, "no request finished before the kill"
+    # what the dead group held moves to the other group (deploy/router/migration.py):
+    # nothing is lost
     failed = {rid: r.error for rid, r in results.items() if not r.ok}
-    # the pass that hit the dead rank fails its requests (GroupLost), the rest end aborted
-    assert failed and all("GroupLost" in e or "tensor-parallel rank was lost" in e
-                          for e in failed.values()), failed
+    assert not failed and len(results) == len(reqs), failed
     assert ranks["colocated0"].popen.wait(30) == 1  # rank 0 leaves with its group
     _wait_gone(cluster, "colocated0")
     after = _outputs(cluster, check=False)

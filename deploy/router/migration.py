@@ -33,7 +33,7 @@ import secrets
 
 from common.control import Abort, Done, Prefilled, Req, pack_ids, unpack_ids
 from common.request import BadRequest, SamplingParams
-from deploy.router.placement import WorkerInfo, admits_at_once, pick
+from deploy.router.placement import WorkerInfo, admits_at_once, live, pick
 from deploy.router.routes import Route
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Migrations:
             route.params, max_new_tokens=route.params.max_new_tokens - len(route.streamed))
         prompt = unpack_ids(route.prompt).tolist() + route.streamed
         try:
-            decode, prefill = pick(self.workers.values(), len(prompt),
+            decode, prefill = pick(self._elsewhere(route), len(prompt),
                                    len(prompt) + params.max_new_tokens)
         except BadRequest as exc:
             self._fail(route, "error", f"{why}; no other worker could take it over: {exc}")
@@ -105,6 +105,15 @@ class Migrations:
         for name in left:
             self._send_worker(name, Abort(old, "migrated"))
         self._send_attempt(route, prompt, params, prefill)
+
+    def _elsewhere(self, route: Route) -> list[WorkerInfo]:
+        """The workers the next attempt may take: the last attempt's decode only where no
+        other worker of its role is up. A decode that ended a request with an error may
+        not be counted lost yet (a tensor-parallel group that lost a rank fails its step
+        first), and it would fail the request again; a lost prefill is not live anyway."""
+        workers = list(self.workers.values())
+        return [w for w in workers if w.name != route.decode or
+                not any(o.name != route.decode for o in live(workers, w.role))]
 
     def _complete(self, route: Route) -> bool:
         """End ``route`` here if nothing is missing from its output: every token
