@@ -35,7 +35,7 @@ CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=96, decode_pages=1
                   chunk_size=24, max_prefill_tokens=48, heartbeat_s=0.2, lease_s=3.0)
 SPEC = WorkloadSpec(requests=10, seed=5, rate=30.0, prompt_len=(8, 90), output_len=(4, 16))
 # Families that only appear when something goes wrong.
-ON_FAILURE_ONLY = {"pdkv_transfer_protocol_errors_total",
+ON_FAILURE_ONLY = {"pdkv_transfer_protocol_errors_total", "pdkv_migrations_total",
                    "pdkv_text_encode_failures_total"}   # (and this run sends no text)
 
 
