@@ -1,14 +1,24 @@
-"""Greedy self-speculative decoding over a continuous batch (a ``StepFn``).
+"""Self-speculative decoding over a continuous batch (a ``StepFn``), greedy and sampled,
+with the device read once per step.
 
 Each step, for every running sequence (p = row position of its newest token, which has
 no KV yet, so ``committed_len == p`` on entry):
 
 1. the draft catches up: it runs the committed tokens whose draft KV it lacks (the newest
    token, and tokens accepted in the last step that it never ran), then proposes k tokens
-   autoregressively, batched over the sequences (draft layers of the same row);
-2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one ``forward_all``;
-3. greedy acceptance: take proposals while they equal the target's argmax, then the
-   target's own token. Tokens past ``max_new_tokens`` or past a stop token are cut off.
+   autoregressively, batched over the sequences (draft layers of the same row): greedy
+   sequences its most likely token, sampled ones a draw from its distribution under the
+   sequence's own sampling parameters;
+2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one pass;
+3. acceptance (``common.model.rejection``): greedy sequences take proposals while they
+   equal the target's most likely token, then the target's own; sampled ones accept by
+   rejection sampling, which keeps the target's distribution exactly. Tokens past
+   ``max_new_tokens`` or past a stop token are cut off.
+
+All of it is planned on the host before it runs: the draft passes' positions and the
+verification's are known, and only their token ids come from the device (the previous
+pass's proposals, ``Sourced``). The step's plan goes up in one copy and its result (each
+sequence's accepted count and tokens) comes down in one copy.
 
 Row of one sequence during a step (k = 3, 2 proposals accepted)::
 
@@ -28,23 +38,38 @@ it travels with the target's), so draft positions ``[0, prompt_len)`` are valid;
 ``DecodeBatch.add`` sets ``Request.num_draft_valid`` so, and this step keeps it current.
 The step holds no per-request state of its own. The draft is the model's own first layers
 (built-ins) or a draft checkpoint (the runner's ``draft``); with n-gram lookup
-(``NgramProposer``) step 1 is a lookup in the request's own tokens instead, and there is
-no draft KV at all.
+(``NgramProposer``) step 1 is a lookup in the request's own tokens instead, its proposals
+are point masses, and there is no draft KV at all.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from common.config import ServeConfig
 from common.kv import KvCache, OutOfPages
-from common.model import BatchItem, ModelRunner
+from common.model import (
+    ACCEPT,
+    DRAFT,
+    DRAW,
+    BatchItem,
+    HostPlan,
+    ModelRunner,
+    Proposals,
+    SamplingArgs,
+    Sourced,
+    candidates_for,
+    download,
+    plan_draws,
+    process,
+    verify,
+)
 from common.request import Request
-from decode_node.batch import StepFn, greedy_step
+from decode_node.batch import StepFn, plain_step
 from decode_node.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -91,36 +116,38 @@ class SpeculativeStep:
         ngram: propose by n-gram lookup in each request's own tokens instead of running a
             draft model.
 
-    Greedy only (``temperature == 0``); with a draft model the cache must hold its
-    layers. Not thread-safe (one per decode batch).
+    Greedy and sampled sequences alike (see the module doc); with a draft model the cache
+    must hold its layers. Not thread-safe (one per decode batch).
     """
 
     def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
         if k < 1:
-            raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use greedy_step for 0)")
+            raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use plain_step for 0)")
         self.k, self.ngram = k, ngram
         self.stats = SpecStats()
 
+    @torch.inference_mode()
     def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
         """One speculative step; returns each sequence's new tokens (1 to k + 1)."""
         for s in seqs:
-            if s.params.temperature != 0:
-                raise ValueError(f"{s.rid}: speculative decoding is greedy only "
-                                 f"(temperature={s.params.temperature}); use greedy_step")
             assert s.kv.committed_len == s.next_position, (s.rid, s.kv, s.next_position)
         ks = [self._make_room(runner, s) for s in seqs]
-        proposals = self._propose(runner, seqs, ks)
-        verify = runner.forward_all([BatchItem(s.kv, s.output[-1:] + props, s.next_position)
-                                     for s, props in zip(seqs, proposals)])
-        # every sequence's verified ids reach the host in one copy (one device sync)
-        ids = torch.cat(verify).argmax(-1).tolist()
-        starts = accumulate((len(logits) for logits in verify), initial=0)
-        out = [self._accept(runner.cache, s, props, ids[start:start + len(logits)])
-               for s, props, logits, start in zip(seqs, proposals, verify, starts)]
+        lookups = None
+        if self.ngram is not None:
+            lookups = [self.ngram.propose(s.prompt + s.output, k_s) for s, k_s in zip(seqs, ks)]
+            ks = [len(p) for p in lookups]
+        plan = _StepPlan(runner, seqs, ks, lookups)
+        dev = plan.host.upload()
+        done = plan.run(dev)
+        out = download(done.result)  # [B, k + 3]: the step's one read of the device
+        flagged = np.flatnonzero(out[:, -1])
+        if len(flagged):  # CPU only: a nucleus past the candidates, drawn again exactly
+            out[flagged] = download(done.again(flagged))
         self.stats.num_steps += 1
-        return out
+        return [self._accept(runner.cache, s, int(row[0]), row[1:-1], k_s)
+                for s, row, k_s in zip(seqs, out, ks)]
 
-    # -- the three phases ---------------------------------------------------------------
+    # -- the host's parts ---------------------------------------------------------------
     def _make_room(self, runner: ModelRunner, s: Request) -> int:
         """Extend the row so positions [p, p + k_s + 1) have slots; returns k_s.
 
@@ -138,50 +165,163 @@ class SpeculativeStep:
             cache.extend(s.kv, max(0, p + 1 - s.kv.allocated_len))
         return k_s
 
-    def _propose(self, runner: ModelRunner, seqs: list[Request], ks: list[int]
-                 ) -> list[list[int]]:
-        """Draft proposals, k_s per sequence; pass j batches the sequences with k_s > j."""
-        if self.ngram is not None:
-            return [self.ngram.propose(s.prompt + s.output, k_s) for s, k_s in zip(seqs, ks)]
-        proposals: list[list[int]] = [[] for _ in seqs]
-        for j in range(max(ks, default=0)):
-            idx = [i for i, k_s in enumerate(ks) if k_s > j]
-            items = [self._draft_item(seqs[i], proposals[i], j) for i in idx]
-            next_ids = runner.forward(items, draft=True).argmax(-1).tolist()
-            for i, t in zip(idx, next_ids):
-                proposals[i].append(int(t))
-        return proposals
-
-    def _draft_item(self, s: Request, props: list[int], j: int) -> BatchItem:
-        if j:
-            return BatchItem(s.kv, props[-1:], s.next_position + j)
-        # Catch up from the first position without valid draft KV up to the newest token.
-        start = s.num_draft_valid
-        return BatchItem(s.kv, s.output[start - s.prompt_len:], start)
-
-    def _accept(self, cache: KvCache, s: Request, props: list[int], greedy: list[int]
-                ) -> list[int]:
-        """Greedy acceptance, truncation at the request's end, commit of verified KV."""
-        a = 0
-        while a < len(props) and props[a] == greedy[a]:
-            a += 1
-        tokens = _truncate(s, props[:a] + [greedy[a]])
+    def _accept(self, cache: KvCache, s: Request, accepted: int, slots: np.ndarray,
+                k_s: int) -> list[int]:
+        """Truncation at the request's end, commit of verified KV, draft bookkeeping."""
+        tokens = _truncate(s, [int(t) for t in slots[:accepted + 1]])
         # Positions [p, p + len(tokens)) now hold verified KV: the newest token's and the
         # accepted proposals' (the last emitted token gets its KV next step).
         cache.commit(s.kv, len(tokens))
         p = s.next_position
         if self.ngram is None:
-            if props:
+            if k_s:
                 # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
-                valid = p + min(a, len(props) - 1) + 1  # committed tokens
+                valid = p + min(accepted, k_s - 1) + 1  # committed tokens
                 s.num_draft_valid = min(valid, s.kv.committed_len)
             s.draft_lag = s.kv.committed_len - s.num_draft_valid
         st = self.stats
         st.num_seq_steps += 1
-        st.num_proposed += len(props)
-        st.num_accepted += a
+        st.num_proposed += k_s
+        st.num_accepted += accepted
         st.num_emitted += len(tokens)
         return tokens
+
+
+class _StepPlan:
+    """One speculative step planned on the host: its draft passes, its verification and
+    their draws, in one ``HostPlan``."""
+
+    def __init__(self, runner: ModelRunner, seqs: list[Request], ks: list[int],
+                 lookups: list[list[int]] | None) -> None:
+        self.runner, self.seqs, self.ks = runner, seqs, ks
+        self.k = k = max(ks)
+        self.vocab = runner.model.config.vocab_size
+        self.host = host = HostPlan(runner.device)
+        self.count = host.add(np.asarray(ks, np.int64))
+        self.lookups = None if lookups is None else host.add(
+            np.array([p + [0] * (k - len(p)) for p in lookups], np.int64).reshape(-1, k))
+        self.drafts = [] if lookups is not None else [self._draft_pass(j) for j in range(k)]
+        self._verify_pass()
+
+    def _draft_pass(self, j: int) -> tuple:
+        """Pass j of the draft: who takes part, its plan, its draws."""
+        runner, seqs, k = self.runner, self.seqs, self.k
+        rows = [i for i, k_s in enumerate(self.ks) if k_s > j]
+        if j == 0:  # catch up from the first position without draft KV to the newest token
+            items = [BatchItem(seqs[i].kv, seqs[i].output[seqs[i].num_draft_valid
+                                                          - seqs[i].prompt_len:],
+                               seqs[i].num_draft_valid) for i in rows]
+            sourced = None
+        else:  # the previous proposal, from the device
+            items = [BatchItem(seqs[i].kv, [0], seqs[i].next_position + j) for i in rows]
+            sourced = Sourced(np.arange(len(rows)), np.asarray(rows) * k + j - 1)
+        pp = runner.plan(self.host, items, draft=True, sourced=sourced)
+        sp = plan_draws(self.host, [seqs[i] for i in rows], self.vocab,
+                        rows=[(n, j) for n in range(len(rows))], purposes=(DRAFT,))
+        return self.host.add(np.asarray(rows, np.int64)), pp, sp, j
+
+    def _verify_pass(self) -> None:
+        """The target over [newest] + proposals, its draws padded to k + 1 per sequence."""
+        seqs, ks, k = self.seqs, self.ks, self.k
+        items = [BatchItem(s.kv, s.output[-1:] + [0] * k_s, s.next_position)
+                 for s, k_s in zip(seqs, ks)]
+        lengths = np.asarray(ks, np.int64) + 1
+        firsts = np.cumsum(lengths) - lengths
+        dest = np.concatenate([f + 1 + np.arange(k_s) for f, k_s in zip(firsts, ks)] or
+                              [np.zeros(0, np.int64)])
+        src = np.concatenate([i * k + np.arange(k_s) for i, k_s in enumerate(ks)] or
+                             [np.zeros(0, np.int64)])
+        self.verify_pass = self.runner.plan(self.host, items, sourced=Sourced(dest, src))
+        j = np.arange(k + 1)
+        # row b * (k + 1) + j: position j of sequence b (past its proposals: its last)
+        self.padded = self.host.add((firsts[:, None] + np.minimum(j, lengths[:, None] - 1)
+                                     ).reshape(-1))
+        self.verify_draws = plan_draws(self.host, seqs, self.vocab,
+                                       rows=[(b, jj) for b in range(len(seqs))
+                                             for jj in range(k + 1)],
+                                       purposes=(DRAW, ACCEPT))
+        if self.verify_draws.penalties:  # position j counts proposals 0 .. j - 1
+            earlier = (np.arange(k)[None, None, :] < j[None, :, None]) & \
+                (np.arange(k)[None, None, :] < np.asarray(ks)[:, None, None])
+            self.earlier = self.host.add(earlier.reshape(-1, k).astype(np.float32))
+
+    # -- the device's part ----------------------------------------------------------------
+    def run(self, dev) -> _Done:
+        runner, k, num_b = self.runner, self.k, len(self.seqs)
+        cand = candidates_for(runner.device)
+        count = dev[self.count]
+        if self.lookups is not None:
+            tokens = dev[self.lookups]
+            props = Proposals(tokens, count, torch.ones(num_b, k, dtype=torch.float64,
+                                                        device=runner.device))
+        else:
+            props = self._propose(dev, num_b, cand, count)
+        h = runner.run(self.verify_pass, dev, source=props.tokens)
+        logits = runner.model.logits(h[dev[self.padded]])  # [B * (k + 1), V]
+        args = SamplingArgs.bind(self.verify_draws, dev)
+        extra = None
+        if self.verify_draws.penalties:
+            extra = (props.tokens.repeat_interleave(k + 1, 0), dev[self.earlier])
+        target = process(logits, args, candidates=cand, extra=extra)
+        u_accept = args.u(ACCEPT).view(num_b, k + 1)[:, :k]
+        result = verify(target, props, u_accept, args.u(DRAW).view(num_b, k + 1))
+        return _Done(result, logits, args, props, extra, k)
+
+    def _propose(self, dev, num_b: int, cand: int, count: torch.Tensor) -> Proposals:
+        """The draft passes, each fed the previous one's proposals on the device."""
+        runner, k = self.runner, self.k
+        device = runner.device
+        tokens = torch.zeros(num_b, k, dtype=torch.int64, device=device)
+        prob = torch.ones(num_b, k, dtype=torch.float64, device=device)
+        weights = mass = None
+        sampled = any(not s.params.is_greedy for s in self.seqs)
+        if sampled:
+            weights = torch.zeros(num_b, k, self.vocab, device=device,
+                                  dtype=torch.float64 if runner.model.config.dtype == "float64"
+                                  else torch.float32)
+            mass = torch.ones(num_b, k, dtype=torch.float64, device=device)
+        for rows_slot, pp, sp, j in self.drafts:
+            rows = dev[rows_slot]
+            logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
+            args = SamplingArgs.bind(sp, dev)
+            extra = None
+            if sp.penalties and j:
+                earlier = tokens[rows, :j]
+                extra = (earlier, torch.ones_like(earlier, dtype=torch.float32))
+            d = process(logits, args, candidates=cand, extra=extra)
+            drawn = d.draw(args.u(DRAFT))
+            tokens[:, j].index_copy_(0, rows, drawn)
+            if sampled:
+                prob[:, j].index_copy_(0, rows, d.prob(drawn))
+                if not sp.greedy_only:
+                    weights[:, j].index_copy_(0, rows, d.weights().to(weights.dtype))
+                    mass[:, j].index_copy_(0, rows, d.mass)
+        return Proposals(tokens, count, prob, weights, mass)
+
+
+@dataclass
+class _Done:
+    """A step's device results, kept until its download was read."""
+
+    result: torch.Tensor
+    logits: torch.Tensor
+    args: SamplingArgs
+    props: Proposals
+    extra: tuple[torch.Tensor, torch.Tensor] | None
+    k: int
+
+    def again(self, seqs: np.ndarray) -> torch.Tensor:
+        """The verification of ``seqs`` once more, each nucleus over the whole vocabulary
+        (CPU: a second read of the device, for those sequences only)."""
+        k, device = self.k, self.logits.device
+        index = torch.from_numpy(seqs).to(device)
+        rows = (index[:, None] * (k + 1) + torch.arange(k + 1, device=device)).reshape(-1)
+        args = self.args.take(rows)
+        extra = None if self.extra is None else (self.extra[0][rows], self.extra[1][rows])
+        target = process(self.logits[rows], args, candidates=0, extra=extra)
+        n = len(seqs)
+        return verify(target, self.props.take(index),
+                      args.u(ACCEPT).view(n, k + 1)[:, :k], args.u(DRAW).view(n, k + 1))
 
 
 def _truncate(s: Request, tokens: list[int]) -> list[int]:
@@ -191,39 +331,19 @@ def _truncate(s: Request, tokens: list[int]) -> list[int]:
     return tokens if hit is None else tokens[:hit + 1]
 
 
-class MixedStep:
-    """Speculation for greedy sequences, one sampled token for the others, in one step.
-
-    Args:
-        k: draft tokens per greedy sequence per step (>= 1).
-        ngram: n-gram lookup instead of a draft model (see ``SpeculativeStep``).
-
-    Sequences with ``temperature > 0`` run ``greedy_step`` (which samples by their params)
-    in a second forward pass, so one sampled request never fails a speculative batch.
-    """
-
-    def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
-        self.spec = SpeculativeStep(k, ngram)
-        self.stats = self.spec.stats
-
-    def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
-        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-        other = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
-        out: list[list[int]] = [[] for _ in seqs]
-        for part, fn in ((greedy, self.spec), (other, greedy_step)):
-            if part:
-                for i, toks in zip(part, fn(runner, [seqs[i] for i in part])):
-                    out[i] = toks
-        return out
+MixedStep = SpeculativeStep
+"""Its name from when sampled sequences ran a plain step beside it (kept for callers)."""
 
 
 def make_step(cfg: ServeConfig) -> StepFn:
-    """The step of ``cfg.spec_kind``: ``MixedStep(spec_k)`` with a draft model (a draft
-    checkpoint or the model's own layers) or n-gram lookup; ``greedy_step`` without."""
+    """The step of ``cfg.spec_kind``: ``SpeculativeStep(spec_k)`` with a draft model (a
+    draft checkpoint or the model's own layers) or n-gram lookup; ``plain_step``
+    without."""
     kind = cfg.spec_kind
     if not kind:
-        return greedy_step
-    return MixedStep(cfg.spec_k, NgramProposer(cfg.spec_ngram) if kind == "ngram" else None)
+        return plain_step
+    return SpeculativeStep(cfg.spec_k, NgramProposer(cfg.spec_ngram) if kind == "ngram"
+                           else None)
 
 
 def spec_stats(step: StepFn) -> dict:

@@ -160,10 +160,11 @@ def test_reused_lookahead_slots_are_rewritten_exactly(model, tmp_path):
     h.close_and_replay()
 
 
-def test_rejects_sampling_and_k_zero(model, tmp_path):
+def test_rejects_k_zero_and_speculates_for_sampled_requests_too(model, tmp_path):
     with pytest.raises(ValueError, match="k=0 must be >= 1"):
         SpeculativeStep(0)
     h = Harness(model, tmp_path, 4, k=2)
-    h.join("r", prompt(5, seed=1), SamplingParams(max_new_tokens=5, temperature=0.5))
-    with pytest.raises(ValueError, match="greedy only"):
-        h.run_step()
+    h.join("r", prompt(5, seed=1), SamplingParams(max_new_tokens=9, temperature=0.5, seed=3))
+    h.drain()  # sampled sequences speculate by rejection sampling (tests/test_rejection.py)
+    assert len(h.outputs["r"]) == 9 and h.step.stats.num_proposed > 0
+    h.close_and_replay()

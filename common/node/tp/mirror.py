@@ -15,7 +15,7 @@ import torch
 from common.control import DecodeError, unpack_ids
 from common.freelog import log_problems
 from common.kv import OutOfPages
-from common.model import BatchItem, ModelRunner
+from common.model import BatchItem, DevicePlan, ModelRunner, PassPlan, download
 from common.node.tp.cache import CacheMirror, LeaderKvCache
 from common.node.tp.host import HostMirror
 from common.node.tp.lockstep import RankReport, TpKvOp, TpStep, encode_report, read_step
@@ -24,20 +24,24 @@ from transport import RankReceiver, RankSender
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: each pass is announced to the followers, then run with them."""
+    """Rank 0's runner: each pass is announced to the followers, then run with them.
+
+    A pass whose token ids come from the device (speculation's draft proposals) reads
+    them back first: the followers get every pass's ids over the lockstep, so a
+    tensor-parallel step waits for the device once per such pass (a single-device worker
+    does not)."""
 
     def __init__(self, model, cache: LeaderKvCache, draft=None) -> None:
-        super().__init__(model, cache, draft)
+        # no CUDA graphs: a replay would skip the announce each pass makes
+        super().__init__(model, cache, draft, graphs=False)
         self.lockstep = cache.lockstep
 
-    def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
-        self.lockstep.send("forward", batch, draft)
-        return super().forward(batch, draft=draft)
-
-    def forward_all(self, batch: list[BatchItem], *, draft: bool = False
-                    ) -> list[torch.Tensor]:
-        self.lockstep.send("forward_all", batch, draft)
-        return super().forward_all(batch, draft=draft)
+    def run(self, pp: PassPlan, dev: DevicePlan, source: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        ids = pp.host_ids(None if source is None else download(source))
+        batch = [BatchItem(it.kv, t, it.start) for it, t in zip(pp.items, ids)]
+        self.lockstep.send("forward", batch, pp.draft)
+        return super().run(pp, dev, source)
 
 
 Reporter = Callable[[bool], RankReport]
