@@ -199,7 +199,7 @@ class _StepPlan:
         self.host = host = HostPlan(runner.device)
         self.count = host.add(np.asarray(ks, np.int64))
         self.lookups = None if lookups is None else host.add(
-            np.array([p + [0] * (k - len(p)) for p in lookups], np.int64).reshape(-1, k))
+            np.array([p + [0] * (k - len(p)) for p in lookups], np.int64).reshape(len(seqs), k))
         self.drafts = [] if lookups is not None else [self._draft_pass(j) for j in range(k)]
         self._verify_pass()
 
