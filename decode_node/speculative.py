@@ -45,6 +45,7 @@ are point masses, and there is no draft KV at all.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -273,13 +274,21 @@ class _StepPlan:
         device = runner.device
         tokens = torch.zeros(num_b, k, dtype=torch.int64, device=device)
         prob = torch.ones(num_b, k, dtype=torch.float64, device=device)
-        weights = mass = None
         sampled = any(not s.params.is_greedy for s in self.seqs)
-        if sampled:
-            weights = torch.zeros(num_b, k, self.vocab, device=device,
-                                  dtype=torch.float64 if runner.model.config.dtype == "float64"
-                                  else torch.float32)
-            mass = torch.ones(num_b, k, dtype=torch.float64, device=device)
+        if not sampled:
+            for rows_slot, pp, sp, j in self.drafts:
+                logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
+                args = SamplingArgs.bind(sp, dev)
+                tokens[:, j].index_copy_(0, dev[rows_slot], process(
+                    logits, args, candidates=cand).draw(args.u(DRAFT)))
+            return Proposals(tokens, count, prob)
+        # sampled sequences: keep each position's distribution for the residual
+        dt = torch.float64 if runner.model.config.dtype == "float64" else torch.float32
+        xs = torch.zeros(num_b, k, self.vocab, dtype=dt, device=device)
+        thr = torch.full((num_b, k), -math.inf, dtype=dt, device=device)
+        shift = torch.zeros(num_b, k, dtype=dt, device=device)
+        mass = torch.ones(num_b, k, dtype=torch.float64, device=device)
+        inv_t = torch.ones(num_b, dtype=dt, device=device)
         for rows_slot, pp, sp, j in self.drafts:
             rows = dev[rows_slot]
             logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
@@ -291,12 +300,16 @@ class _StepPlan:
             d = process(logits, args, candidates=cand, extra=extra)
             drawn = d.draw(args.u(DRAFT))
             tokens[:, j].index_copy_(0, rows, drawn)
-            if sampled:
-                prob[:, j].index_copy_(0, rows, d.prob(drawn))
-                if not sp.greedy_only:
-                    weights[:, j].index_copy_(0, rows, d.weights().to(weights.dtype))
-                    mass[:, j].index_copy_(0, rows, d.mass)
-        return Proposals(tokens, count, prob, weights, mass)
+            prob[:, j].index_copy_(0, rows, d.prob(drawn))
+            xs[:, j].index_copy_(0, rows, d.x.to(dt))
+            if d.thr is not None:
+                thr[:, j].index_copy_(0, rows, d.thr.to(dt))
+            shift[:, j].index_copy_(0, rows, d.shift.to(dt))
+            if not sp.greedy_only:
+                mass[:, j].index_copy_(0, rows, d.mass)
+            if j == 0:
+                inv_t.index_copy_(0, rows, args.row(1, dt))
+        return Proposals(tokens, count, prob, xs, thr, shift, inv_t, mass)
 
 
 @dataclass

@@ -59,17 +59,19 @@ def run_verify(p: SamplingParams, point_masses: list[int] | None = None) -> np.n
         props = Proposals(torch.tensor([point_masses] * N), count,
                           torch.ones(N, k, dtype=torch.float64))
     else:
-        tokens, prob, weights, mass = [], [], [], []
+        parts: dict[str, list] = {"tokens": [], "prob": [], "x": [], "thr": [], "shift": [],
+                                  "mass": []}
         for j, sp in enumerate(drafts):
             args = SamplingArgs.bind(sp, dev)
             d = process(logits_of(DRAFT_PROBS[j]).expand(N, v), args, candidates=0)
             drawn = d.draw(args.u(DRAFT))
-            tokens.append(drawn)
-            prob.append(d.prob(drawn))
-            weights.append(d.weights())
-            mass.append(d.mass)
-        props = Proposals(torch.stack(tokens, 1), count, torch.stack(prob, 1),
-                          torch.stack(weights, 1), torch.stack(mass, 1))
+            thr = d.thr if d.thr is not None else torch.full((N,), -torch.inf,
+                                                              dtype=torch.float64)
+            for name, t in zip(parts, (drawn, d.prob(drawn), d.x, thr, d.shift, d.mass)):
+                parts[name].append(t)
+        t = {name: torch.stack(ts, 1) for name, ts in parts.items()}
+        props = Proposals(t["tokens"], count, t["prob"], t["x"], t["thr"], t["shift"],
+                          args.row(1, torch.float64), t["mass"])
     args = SamplingArgs.bind(target, dev)
     logits = torch.stack([logits_of(t) for t in TARGET]).repeat(N, 1)
     out = verify(process(logits, args, candidates=0), props,

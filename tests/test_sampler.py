@@ -140,3 +140,21 @@ def test_new_fields_travel_only_when_set():
     # what vLLM's own client sends with every request is accepted as it is
     assert validate([1], SamplingParams.from_dict({"repetition_penalty": 1.0}), vocab_size=8,
                     max_tokens=64, max_new_tokens_limit=16) == SamplingParams()
+
+
+def test_block_draws_over_a_large_vocabulary_match_one_cumulative_sum():
+    """The blocked inverse (block sums, then one block) picks what one float64 cumulative
+    sum over the row picks, and never a token of weight 0."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.rand(256, 49152, generator=gen) ** 8
+    w[w < 0.2] = 0  # most of the vocabulary cut away
+    u = torch.rand(256, generator=gen, dtype=torch.float64)
+    blocked = sampling.draw_weighted(w, u)
+    plain = sampling.draw_weighted(w, u, blocks=False)
+    assert (w.gather(1, blocked[:, None]) > 0).all()
+    assert (blocked == plain).float().mean() >= 0.99
+    # a row drawn many times follows its weights: mean index within 1% of the expected
+    row = w[:1].expand(20000, -1)
+    draws = sampling.draw_weighted(row, torch.rand(20000, generator=gen, dtype=torch.float64))
+    expected = float((w[0].double() * torch.arange(49152)).sum() / w[0].double().sum())
+    assert abs(draws.double().mean().item() - expected) < 0.01 * expected

@@ -29,7 +29,9 @@ from common.model.sampling import Dist, draw_weighted
 
 @dataclass
 class Proposals:
-    """A step's draft tokens on the device, padded to ``k`` per sequence."""
+    """A step's draft tokens on the device, padded to ``k`` per sequence, with the
+    distributions they were drawn from (``x``, ``thr``, ``shift``, ``inv_t``, ``mass``,
+    as ``Dist`` has them; None for point masses)."""
 
     tokens: torch.Tensor
     """[B, k] int64; entries past a sequence's count are padding."""
@@ -37,24 +39,30 @@ class Proposals:
     """[B] int64: proposals per sequence (k_s <= k)."""
     prob: torch.Tensor
     """[B, k] float64: q_j(d_j), 1 for point masses and greedy drafts."""
-    weights: torch.Tensor | None = None
-    """[B, k, V]: the draft's unnormalised kept probabilities (None: point masses)."""
+    x: torch.Tensor | None = None
+    """[B, k, V]: the draft's processed logits at each position."""
+    thr: torch.Tensor | None = None
+    """[B, k]: its thresholds; shift [B, k]; inv_t [B]; mass [B, k] float64."""
+    shift: torch.Tensor | None = None
+    inv_t: torch.Tensor | None = None
     mass: torch.Tensor | None = None
-    """[B, k] float64: their sums."""
 
     def take(self, rows: torch.Tensor) -> Proposals:
-        w = None if self.weights is None else self.weights[rows]
-        m = None if self.mass is None else self.mass[rows]
-        return Proposals(self.tokens[rows], self.count[rows], self.prob[rows], w, m)
+        pick = [None if t is None else t[rows]
+                for t in (self.x, self.thr, self.shift, self.inv_t, self.mass)]
+        return Proposals(self.tokens[rows], self.count[rows], self.prob[rows], *pick)
 
     def dense(self, at: torch.Tensor, vocab: int) -> torch.Tensor:
         """[B, V] float64: each sequence's q at position ``at`` ([B], clamped to k - 1)."""
         b = torch.arange(len(at), device=at.device)
         j = at.clamp(max=self.tokens.shape[1] - 1)
-        if self.weights is None:
+        if self.x is None:
             q = torch.zeros(len(at), vocab, dtype=torch.float64, device=at.device)
             return q.scatter_(1, self.tokens[b, j][:, None], 1.0)
-        return self.weights[b, j].double() / self.mass[b, j][:, None]
+        x = self.x[b, j].double()  # [B, V]
+        w = ((x - self.shift[b, j].double()[:, None]) * self.inv_t.double()[:, None]).exp_()
+        w.masked_fill_(x < self.thr[b, j].double()[:, None], 0.0)
+        return w / self.mass[b, j][:, None]
 
 
 def verify(target: Dist, props: Proposals, u_accept: torch.Tensor, u_draw: torch.Tensor

@@ -93,11 +93,10 @@ class SamplingPlan:
     top_p: bool
     max_top_k: int
     """Largest ``top_k`` of a sampled row (0: none)."""
+    plain: bool = False
+    """Some sampled row is truncated by neither top-k nor top-p (draws over the whole
+    vocabulary)."""
     slots: dict[str, Slot] = field(default_factory=dict)
-
-    @property
-    def truncates(self) -> bool:
-        return self.min_p or self.top_p or self.max_top_k > 0
 
 
 def plan_sampling(host: HostPlan, params: Sequence[SamplingParams], keys: Sequence[int],
@@ -124,7 +123,8 @@ def plan_sampling(host: HostPlan, params: Sequence[SamplingParams], keys: Sequen
     sp = SamplingPlan(n, len(history) if history is not None else n, bool(greedy.all()),
                       not greedy.any(), any(p.has_penalties for p in params),
                       any(p.min_p > 0 for p in sampled), any(p.top_p < 1 for p in sampled),
-                      int(top_k.max(initial=0)))
+                      int(top_k.max(initial=0)),
+                      any(p.top_p == 1 and not 0 < p.top_k < vocab_size for p in sampled))
     inv_t = [1.0 if p.is_greedy else 1.0 / p.temperature for p in params]
     minp_off = [p.temperature * math.log(p.min_p) if p.min_p > 0 and not p.is_greedy
                 else -math.inf for p in params]
@@ -208,41 +208,57 @@ class Dist:
     """What each row draws from (see the module doc); greedy rows are point masses.
 
     ``thr`` is in logit space: a sampled row keeps the tokens with ``x >= thr`` and
-    weighs them by ``exp((x - shift) * inv_t)``; ``mass`` is their sum.
+    weighs them by ``exp((x - shift) * inv_t)``; ``mass`` is their sum. A row truncated
+    by top-k or top-p keeps only tokens among its sorted candidates (``cand``: their
+    logits, ids and kept weights), and draws among them; any other sampled row draws over
+    the whole vocabulary.
     """
 
     def __init__(self, x: torch.Tensor, top: torch.Tensor, shift: torch.Tensor,
-                 args: SamplingArgs, thr: torch.Tensor | None,
-                 uncovered: torch.Tensor | None) -> None:
+                 args: SamplingArgs, thr: torch.Tensor | None = None,
+                 uncovered: torch.Tensor | None = None, cand: _Candidates | None = None,
+                 full_mass: torch.Tensor | None = None) -> None:
         self.x, self.top, self.shift, self.args = x, top, shift, args
-        self.thr, self.uncovered = thr, uncovered
-        self._weights: torch.Tensor | None = None
+        self.thr, self.uncovered, self.cand = thr, uncovered, cand
+        self._full_mass = full_mass
 
     @property
     def greedy(self) -> torch.Tensor:
         return self.args.greedy
 
-    def weights(self) -> torch.Tensor:
-        """[N, V] unnormalised kept probabilities (0 outside the kept set; rows of
-        greedy draws are meaningless)."""
-        if self._weights is None:
-            inv_t = self.args.row(1, self.x.dtype)[:, None]
-            w = torch.addcmul(-self.shift[:, None] * inv_t, self.x, inv_t).exp_()
-            if self.thr is not None:
-                w = w.masked_fill_(self.x < self.thr[:, None], 0.0)
-            self._weights = w
-        return self._weights
+    @property
+    def _plain(self) -> bool:
+        """Some sampled row draws over the whole vocabulary."""
+        return self.cand is None or self.args.sp.plain
+
+    def _weights(self, x: torch.Tensor, rows: torch.Tensor | slice = slice(None)
+                 ) -> torch.Tensor:
+        """Kept weights of ``x`` (the rows ``rows`` of this Dist), float32 or float64."""
+        inv_t = self.args.row(1, x.dtype)[rows][:, None]
+        w = torch.addcmul(-self.shift[rows][:, None] * inv_t, x, inv_t).exp_()
+        if self.thr is not None:
+            w.masked_fill_(x < self.thr[rows][:, None], 0.0)
+        return w
 
     @property
     def mass(self) -> torch.Tensor:
-        return self.weights().sum(-1, dtype=torch.float64)
+        """[N] float64: each sampled row's kept weight."""
+        if self._full_mass is None and self._plain:
+            self._full_mass = self._weights(self.x).sum(-1).double()
+        if self.cand is None:
+            return self._full_mass
+        if not self.args.sp.plain:
+            return self.cand.mass
+        return torch.where(self.cand.rows, self.cand.mass, self._full_mass)
 
     def prob(self, tokens: torch.Tensor) -> torch.Tensor:
         """[N] float64: each row's probability of ``tokens`` ([N])."""
+        hit = (tokens == self.top).double()
         if self.args.sp.greedy_only:
-            return (tokens == self.top).double()
-        p = self.weights().gather(1, tokens[:, None])[:, 0].double() / self.mass
-        return torch.where(self.greedy, (tokens == self.top).double(), p)
+            return hit
+        xt = self.x.gather(1, tokens[:, None])  # [N, 1]
+        p = self._weights(xt)[:, 0].double() / self.mass
+        return torch.where(self.greedy, hit, p)
 
     def dense(self, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), V] float64 probabilities of those rows (one-hot for greedy ones)."""
@@ -251,24 +267,68 @@ class Dist:
         one_hot.scatter_(1, self.top[rows][:, None], 1.0)
         if self.args.sp.greedy_only:
             return one_hot
-        w = self.weights()[rows].double()
-        p = w / w.sum(-1, keepdim=True)
-        return torch.where(self.greedy[rows][:, None], one_hot, p)
+        w = self._weights(self.x[rows], rows).double()
+        return torch.where(self.greedy[rows][:, None], one_hot, w / w.sum(-1, keepdim=True))
 
     def draw(self, u: torch.Tensor) -> torch.Tensor:
         """[N] token ids: greedy rows their ``top``, sampled ones the inverse cumulative
-        mass at ``u``."""
+        kept mass at ``u``."""
         if self.args.sp.greedy_only:
             return self.top
-        return torch.where(self.greedy, self.top, draw_weighted(self.weights(), u))
+        tok = None
+        if self._plain:
+            tok = draw_weighted(self._weights(self.x), u)
+        if self.cand is not None:
+            c = self.cand
+            at = draw_weighted(c.weights, u, blocks=False)
+            drawn = c.ids.gather(1, at[:, None])[:, 0]
+            tok = drawn if tok is None else torch.where(c.rows, drawn, tok)
+        return torch.where(self.greedy, self.top, tok)
 
 
-def draw_weighted(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+@dataclass
+class _Candidates:
+    """Each row's most likely tokens, sorted, and what of them a truncated row keeps."""
+
+    ids: torch.Tensor
+    """[N, width] token ids."""
+    weights: torch.Tensor
+    """[N, width] kept weights (0 past the row's threshold)."""
+    rows: torch.Tensor
+    """[N] bool: the row draws among its candidates (top-k or top-p truncated)."""
+
+    @property
+    def mass(self) -> torch.Tensor:
+        return self.weights.sum(-1, dtype=torch.float64)
+
+
+def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -> torch.Tensor:
     """[N] indices: row i's token where its cumulative weight passes ``u[i]`` of its total
-    (a zero weight is never chosen)."""
-    cum = weights.cumsum(-1, dtype=torch.float64)  # [N, V]
-    target = (u.double() * cum[:, -1])[:, None]
-    return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=weights.shape[1] - 1)
+    (a zero weight is never chosen).
+
+    Sums run in float64. Over a whole vocabulary the row is cut into blocks: block sums,
+    a cumulative sum over blocks, then one over the chosen block (a float64 cumulative sum
+    of the whole row costs several times a pass over it).
+    """
+    n, width = weights.shape
+    block = next((b for b in (256, 128, 64) if width % b == 0 and width >= 16 * b), 0)
+    if not blocks or not block:
+        cum = weights.cumsum(-1, dtype=torch.float64)  # [N, width]
+        target = (u.double() * cum[:, -1])[:, None]
+        return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=width - 1)
+    parts = weights.view(n, width // block, block)
+    cum = parts.sum(-1).double().cumsum(-1)  # [N, blocks]
+    target = u.double() * cum[:, -1]
+    b = torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp_(
+        max=width // block - 1)
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = parts.gather(1, b[:, None, None].expand(n, 1, block))[:, 0]  # [N, block]
+    j = torch.searchsorted(inner.cumsum(-1, dtype=torch.float64),
+                           (target - before)[:, None], right=True)[:, 0]
+    # rounding between the block's sum and its own cumulative sum may point past its last
+    # kept token: never past it
+    last = block - 1 - (inner.flip(-1) > 0).to(torch.int32).argmax(-1)
+    return b * block + torch.minimum(j, last)
 
 
 def process(logits: torch.Tensor, args: SamplingArgs, *, candidates: int,
@@ -286,9 +346,12 @@ def process(logits: torch.Tensor, args: SamplingArgs, *, candidates: int,
     if sp.penalties:
         x = _penalise(x, args, extra)
     shift, top = x.max(-1)  # the first maximum, as argmax picks it
-    if sp.greedy_only or not sp.truncates:
-        return Dist(x, top, shift, args, None, None)
-    return _truncate(x, top, shift, args, candidates)
+    if sp.greedy_only:
+        return Dist(x, top, shift, args)
+    thr = shift + args.row(2, x.dtype) if sp.min_p else None  # x - shift >= T * log(min_p)
+    if not sp.top_p and not sp.max_top_k:
+        return Dist(x, top, shift, args, thr)
+    return _truncate(x, top, shift, args, thr, candidates)
 
 
 def _penalise(x: torch.Tensor, args: SamplingArgs,
@@ -310,43 +373,55 @@ def _penalise(x: torch.Tensor, args: SamplingArgs,
 
 
 def _truncate(x: torch.Tensor, top: torch.Tensor, shift: torch.Tensor, args: SamplingArgs,
-              candidates: int) -> Dist:
-    """min_p, top_k and top_p as one threshold per row (module doc, step 3)."""
-    sp, vocab = args.sp, x.shape[1]
-    dt = x.dtype
-    thr = shift + args.row(2, dt)  # min_p: x - shift >= temperature * log(min_p)
-    if not sp.top_p and not sp.max_top_k:
-        return Dist(x, top, shift, args, thr, None)
+              thr: torch.Tensor | None, candidates: int) -> Dist:
+    """top_k and top_p among each row's sorted candidates (module doc, step 3)."""
+    sp, vocab, dt = args.sp, x.shape[1], x.dtype
     width = vocab if not candidates else min(vocab, max(candidates, sp.max_top_k))
-    vals = (x.sort(-1, descending=True).values if width == vocab
-            else x.topk(width, -1).values)  # [N, width], most likely first
+    vals, ids = (x.sort(-1, descending=True) if width == vocab
+                 else x.topk(width, -1))  # [N, width], most likely first
     top_k = args.t["top_k"]
     kth = vals.gather(1, (top_k - 1).clamp(0, width - 1)[:, None])[:, 0]
-    thr = torch.maximum(thr, torch.where(top_k > 0, kth, -math.inf))
-    if not sp.top_p:
-        return Dist(x, top, shift, args, thr, None)
+    thr_a = torch.where(top_k > 0, kth, -math.inf)  # min_p, then top_k
+    if thr is not None:
+        thr_a = torch.maximum(thr_a, thr)
     inv_t = args.row(1, dt)[:, None]
-    e = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
-    kept = e.masked_fill_(x < thr[:, None], 0.0).sum(-1, dtype=torch.float64)  # [N]
-    pc = ((vals - shift[:, None]) * inv_t).exp_().masked_fill_(vals < thr[:, None], 0.0)
-    cum = pc.cumsum(-1, dtype=torch.float64)
-    goal = args.row(3, torch.float64) * kept
-    # the nucleus: each token whose more likely tokens hold less than top_p of the mass
-    inside = (cum - pc) < goal[:, None]
-    last = (inside.sum(-1) - 1).clamp_(min=0)
-    nucleus = vals.gather(1, last[:, None])[:, 0]
-    use = args.row(3, torch.float64) < 1
-    thr = torch.where(use, torch.maximum(thr, nucleus), thr)
+    pc = torch.addcmul(-shift[:, None] * inv_t, vals, inv_t).exp_()
+    pc.masked_fill_(vals < thr_a[:, None], 0.0)
+    top_p = args.row(3, torch.float64)
+    use_p = top_p < 1
+    full_mass = None
+    final = thr_a
+    if sp.top_p:
+        # the mass top_p is a share of: A's, over the whole vocabulary
+        full_mass = _kept_mass(x, shift, inv_t, thr_a if (sp.min_p or sp.max_top_k) else None)
+        cum = pc.cumsum(-1, dtype=torch.float64)
+        goal = top_p * full_mass
+        # the nucleus: each token whose more likely tokens hold less than top_p of the mass
+        inside = (cum - pc) < goal[:, None]
+        last = (inside.sum(-1) - 1).clamp_(min=0)
+        nucleus = vals.gather(1, last[:, None])[:, 0]
+        final = torch.where(use_p, torch.maximum(thr_a, nucleus), thr_a)
+    truncated = use_p | (top_k > 0)
+    pc.masked_fill_(vals < final[:, None], 0.0)
     uncovered = None
     if width < vocab:
-        # The nucleus passes the candidates: keep the candidates (a true distribution
-        # that a speculative draft may propose from) and mark the row for an exact draw.
-        uncovered = use & (cum[:, -1] < goal)
-        thr = torch.where(uncovered, torch.maximum(thr, vals[:, -1]), thr)
-        uncovered &= ~args.greedy
-    d = Dist(x, top, shift, args, thr, uncovered)
-    d._weights = e.masked_fill_(x < thr[:, None], 0.0)  # thr only rose: e is reused
-    return d
+        # a row whose kept tokens may pass its candidates (a nucleus past them, ties at
+        # the edge): draws among the candidates here (a true distribution a draft may
+        # propose from) and is marked for an exact draw
+        uncovered = truncated & ~args.greedy & (final <= vals[:, -1])
+        final = torch.where(uncovered, vals[:, -1], final)
+    cand = _Candidates(ids, pc, truncated)
+    # a plain row's kept mass is A's (min_p alone), already summed when top_p needed it
+    return Dist(x, top, shift, args, final, uncovered, cand, full_mass)
+
+
+def _kept_mass(x: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor,
+               thr: torch.Tensor | None) -> torch.Tensor:
+    """[N] float64: sum over the vocabulary of the weights of tokens with x >= thr."""
+    w = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
+    if thr is not None:
+        w.masked_fill_(x < thr[:, None], 0.0)
+    return w.sum(-1).double()
 
 
 # -- a step's draws, start to end -----------------------------------------------------------
