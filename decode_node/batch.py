@@ -61,7 +61,7 @@ def plain_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
     pp = runner.plan(host, [BatchItem(s.kv, s.output[-1:], s.next_position) for s in seqs])
     sp = plan_draws(host, seqs, runner.model.config.vocab_size)
     dev = host.upload()
-    logits = runner.logits(pp, dev, runner.run(pp, dev))
+    logits = runner.step_logits(pp, dev)  # a CUDA graph's replay where one is captured
     args = SamplingArgs.bind(sp, dev)
     tokens = exact_rows(logits, args, download(choose(logits, args,
                                                       candidates_for(runner.device))))

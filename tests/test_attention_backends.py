@@ -108,3 +108,30 @@ def test_a_first_chunk_attends_over_its_own_keys_without_a_gather():
     fresh, packed = meta.groups[1], meta.groups[0]
     assert fresh.num_pages == 0 and fresh.num_queries == 40  # is_causal over fresh K/V
     assert packed.num_pages == 1 and packed.num_items == 1
+
+
+@pytest.mark.parametrize("backend", [TorchAttention, FlexAttention])
+def test_a_decode_pass_padded_for_a_cuda_graph_computes_the_same(backend):
+    """Padding to a bucket (items and pages) changes nothing for the real items, and the
+    padding's writes land in page 0 only."""
+    from common.model.graphs import DecodeGraphs
+    model = Model(F64)
+    outs = []
+    for graphs in (False, DecodeGraphs(capture=False)):
+        cache = KvCache(32, 16, layout=F64.kv_layout(with_draft=True))
+        runner = ModelRunner(model, cache, attention=backend(), graphs=graphs)
+        rows = []
+        for i, n in enumerate((5, 17, 40)):  # 1, 2, 3 pages: padded to 4 pages, 4 items
+            kv = cache.open_row(f"r{i}")
+            cache.extend(kv, n + 1)
+            runner.forward([BatchItem(kv, prompt(n, seed=i), 0)])
+            rows.append((kv, n))
+        before = runner.data[1:].clone()
+        host = HostPlan("cpu")
+        pp = runner.plan(host, [BatchItem(kv, [3], n) for kv, n in rows])
+        assert pp.bucket == ((4, 4) if graphs else None)
+        outs.append(runner.step_logits(pp, host.upload()))
+        changed = (runner.data[1:] != before).nonzero()[:, 0].unique() + 1
+        assert set(changed.tolist()) <= {int(cache.pages(kv, n, n + 1)[0]) for kv, n in rows}
+    assert outs[0].shape == outs[1].shape == (3, F64.vocab_size)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-10)

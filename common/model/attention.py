@@ -77,6 +77,8 @@ class PassGeometry:
     """Query heads per KV head."""
     window: int
     """Sliding window (0: full attention): a query at p sees keys (p - window, p]."""
+    min_pages: int = 0
+    """Read at least this many pages per item (a CUDA graph's fixed shapes)."""
 
     @property
     def ends(self) -> np.ndarray:
@@ -180,7 +182,7 @@ class TorchAttention(AttentionBackend):
         ps, num_b, num_q = geo.page_size, len(m), int(lengths.max())
         ends, lows = starts + lengths, geo.lows[m]
         first_page, last_page = lows // ps, (ends - 1) // ps
-        num_p = int((last_page - first_page).max()) + 1
+        num_p = max(int((last_page - first_page).max()) + 1, geo.min_pages)
         # Page i of item b is its (first_page + i)-th; past its last, its last again (real
         # data, masked out).
         idx = first_page[:, None] + np.minimum(np.arange(num_p),

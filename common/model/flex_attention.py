@@ -90,7 +90,7 @@ class FlexAttention(AttentionBackend):
         num_qb = -(-num_q // Q_BLOCK)
         lows, ends = geo.lows, geo.ends
         first, last = lows // ps, (ends - 1) // ps
-        num_blocks = _pow2(int((last - first).max()) + 1)
+        num_blocks = _pow2(max(int((last - first).max()) + 1, geo.min_pages))
         # padding entries (items past n) have no blocks and no valid queries
         counts = np.zeros((num_b, 1, num_qb), np.int32)
         counts[:n] = (last - first + 1)[:, None, None]

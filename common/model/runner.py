@@ -50,6 +50,7 @@ from common.model.attention import (
     select_backend,
 )
 from common.model.config import ModelConfig
+from common.model.graphs import DecodeGraphs, graph_bucket, graphs_wanted
 from common.model.model import Model
 from common.model.plan import DevicePlan, HostPlan, Slot
 
@@ -101,6 +102,11 @@ class PassPlan:
     attention: object
     """The backend's own plan (``AttentionBackend.plan``)."""
     sourced: Sourced | None = None
+    bucket: tuple[int, int] | None = None
+    """A decode pass padded for a CUDA graph: (items, pages per item); the padding items
+    write to page 0 (reserved, never allocated) and are cut from the logits."""
+    span: tuple[int, int] = (0, 0)
+    """The bytes of the step's plan that this pass's arrays occupy."""
 
     @property
     def num_tokens(self) -> int:
@@ -125,10 +131,13 @@ class ModelRunner:
         draft: a separate draft model (a draft checkpoint); None: the draft is the
             target's first ``num_draft_layers`` blocks.
         attention: the attention backend; None: ``select_backend`` for the pool's device.
+        graphs: CUDA graphs of decode passes (``common.model.graphs``): None, on CUDA
+            unless ``PDKV_CUDA_GRAPHS=0``; False: none; a ``DecodeGraphs``: that one.
     """
 
     def __init__(self, model: Model, cache: KvCache, draft: Model | None = None,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend | None = None,
+                 graphs: DecodeGraphs | bool | None = None) -> None:
         cfg, layout = model.config, cache.layout
         with_draft = cfg.kv_layout(True) if draft is None else replace(
             cfg.kv_layout(False), num_draft_layers=draft.config.num_layers)
@@ -155,6 +164,9 @@ class ModelRunner:
         self.page_rows = self.pool.page_rows
         self.attention = attention or select_backend(model.device, self.page_size)
         self.device = model.device
+        if graphs is None:
+            graphs = graphs_wanted(self.device)
+        self.graphs = DecodeGraphs(capture=True) if graphs is True else graphs or None
 
     @property
     def fingerprint(self) -> str:
@@ -171,7 +183,7 @@ class ModelRunner:
         host = HostPlan(self.device)
         pp = self.plan(host, batch, draft=draft)
         dev = host.upload()
-        return self.logits(pp, dev, self.run(pp, dev))
+        return self.step_logits(pp, dev)
 
     @torch.inference_mode()
     def forward_all(self, batch: list[BatchItem], *, draft: bool = False
@@ -206,31 +218,46 @@ class ModelRunner:
                        if any(not 0 <= int(t) < cfg.vocab_size for t in _as_list(it.token_ids)))
             raise ValueError(f"row {bad.kv.row}: token ids must be in [0, {cfg.vocab_size})")
         ps = self.page_size
+        start_byte = host.nbytes
         starts = np.fromiter((it.start for it in batch), np.int64, len(batch))
         lengths = np.fromiter((len(it.token_ids) for it in batch), np.int64, len(batch))
         ends = starts + lengths
         # All items' page tables end to end; item b's page i is tables[page_off[b] + i].
         tables = [self.cache.pages(it.kv, 0, int(e)) for it, e in zip(batch, ends)]
-        page_off = np.zeros(len(batch), np.int64)
+        rotary = self.model_of(draft).rotary
+        bucket = None
+        if self.graphs is not None and not draft and sourced is None and \
+                not rotary.is_stretched(ends):
+            bucket = graph_bucket(lengths, [len(t) for t in tables])
+        real = lengths
+        if bucket is not None:  # padding items: one token at position 0 of page 0
+            pad = bucket[0] - len(batch)
+            starts, lengths = np.append(starts, np.zeros(pad, np.int64)), \
+                np.append(lengths, np.ones(pad, np.int64))
+            tables += [np.zeros(1, np.int32)] * pad
+            ids = np.append(ids, np.zeros(pad, np.int64))
+        page_off = np.zeros(len(tables), np.int64)
         np.cumsum([len(t) for t in tables[:-1]], out=page_off[1:])
         flat_tables = np.concatenate(tables).astype(np.int64)
         firsts = np.cumsum(lengths) - lengths
-        item_of = np.repeat(np.arange(len(batch)), lengths)
+        item_of = np.repeat(np.arange(len(tables)), lengths)
         positions = np.arange(int(lengths.sum())) - firsts[item_of] + starts[item_of]
         write_rows = flat_tables[page_off[item_of] + positions // ps] * self.page_rows \
             + positions % ps
         geo = PassGeometry(starts, lengths, firsts, page_off, flat_tables, ps,
-                           cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
+                           cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window,
+                           bucket[1] if bucket else 0)
         slots = {"token_ids": host.add(ids), "positions": host.add(positions),
                  "write_rows": host.add(write_rows), "last": host.add(firsts + lengths - 1)}
-        rotary = self.model_of(draft).rotary
         if rotary.is_stretched(ends):
             cos, sin = rotary.stretched(positions, ends, lengths)
             slots["cos"], slots["sin"] = host.add(cos), host.add(sin)
         if sourced is not None:
             slots["src_dest"] = host.add(sourced.dest, np.int64)
             slots["src_index"] = host.add(sourced.src, np.int64)
-        return PassPlan(batch, draft, lengths, slots, self.attention.plan(host, geo), sourced)
+        attention = self.attention.plan(host, geo)
+        return PassPlan(batch, draft, real, slots, attention, sourced, bucket,
+                        (start_byte, host.nbytes))
 
     def run(self, pp: PassPlan, dev: DevicePlan, source: torch.Tensor | None = None
             ) -> torch.Tensor:
@@ -266,11 +293,22 @@ class ModelRunner:
             h = model.block_out(b, h, attn)
         return h
 
-    def logits(self, pp: PassPlan, dev: DevicePlan, h: torch.Tensor, *, every: bool = False
-               ) -> torch.Tensor:
-        """Logits of each item's last token [items, vocab], or of every token."""
+    def logits(self, pp: PassPlan, dev: DevicePlan, h: torch.Tensor, *, every: bool = False,
+               padded: bool = False) -> torch.Tensor:
+        """Logits of each item's last token [items, vocab], or of every token (a padded
+        pass's padding cut off unless ``padded``)."""
         model = self.model_of(pp.draft)
-        return model.logits(h if every else h[dev[pp.slots["last"]]])
+        if every:
+            return model.logits(h[:pp.num_tokens])
+        out = model.logits(h[dev[pp.slots["last"]]])
+        return out if padded else out[:len(pp.items)]
+
+    def step_logits(self, pp: PassPlan, dev: DevicePlan) -> torch.Tensor:
+        """``logits(run(...))`` of a planned pass; a padded decode pass through its CUDA
+        graph (``common.model.graphs``)."""
+        if pp.bucket is not None and self.graphs is not None:
+            return self.graphs.logits(self, pp, dev)[:len(pp.items)]
+        return self.logits(pp, dev, self.run(pp, dev))
 
     @staticmethod
     def _rope(model: Model, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
