@@ -20,7 +20,7 @@ __getattr__ = lazy_names(__name__, {
     "DevicePlan": "common.model.plan", "HostPlan": "common.model.plan",
     "download": "common.model.plan",
     "AttentionBackend": "common.model.attention", "TorchAttention": "common.model.attention",
-    "select_backend": "common.model.attention",
+    "select_backend": "common.model.backends",
     "sample": "common.model.sampling", "plan_draws": "common.model.sampling",
     "SamplingArgs": "common.model.sampling", "choose": "common.model.sampling",
     "exact_rows": "common.model.sampling", "candidates_for": "common.model.sampling",

@@ -20,12 +20,11 @@ Backends:
 - ``FlexAttention`` (``common.model.flex_attention``, CUDA): torch's ``flex_attention``
   reading K/V where they lie in the pool through a block mask built from page tables.
 
-``select_backend`` picks one (``PDKV_ATTENTION`` overrides: ``torch`` or ``flex``).
+``common.model.backends.select_backend`` picks one (``PDKV_ATTENTION`` overrides).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +35,6 @@ from common.model.plan import DevicePlan, HostPlan, Slot
 
 PACK_MAX_QUERY = 16
 """Items with at most this many new tokens share one padded attention call."""
-BACKENDS = ("torch", "flex")
 
 
 @dataclass(frozen=True)
@@ -319,19 +317,3 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=t["mask"])  # [B, kvh, g*nq, d]
     o = o.reshape(num_b, kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_b, num_q, -1)
-
-
-def select_backend(device: torch.device, page_size: int, name: str | None = None
-                   ) -> AttentionBackend:
-    """The backend for a pool on ``device``: ``name`` (or ``PDKV_ATTENTION``), else flex
-    on CUDA where the page size suits its kernel, else the torch path."""
-    name = name or os.environ.get("PDKV_ATTENTION", "") or "auto"
-    if name not in (*BACKENDS, "auto"):
-        raise ValueError(f"attention backend {name!r}; allowed: auto, {', '.join(BACKENDS)}")
-    if name == "auto":
-        from common.model.flex_attention import flex_supported
-        name = "flex" if device.type == "cuda" and flex_supported(page_size) else "torch"
-    if name == "flex":
-        from common.model.flex_attention import FlexAttention
-        return FlexAttention()
-    return TorchAttention()

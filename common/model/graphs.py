@@ -24,15 +24,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
 from common.model.plan import DevicePlan
-
-if TYPE_CHECKING:
-    from common.model.runner import ModelRunner, PassPlan
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +67,9 @@ class DecodeGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def logits(self, runner: ModelRunner, pp: PassPlan, dev: DevicePlan) -> torch.Tensor:
-        """Logits of the padded pass ``pp`` (padding rows included)."""
+    def logits(self, runner: Any, pp: Any, dev: DevicePlan) -> torch.Tensor:
+        """Logits of the padded pass ``pp`` (a ``PassPlan``) of ``runner`` (the
+        ``ModelRunner`` that owns these graphs), padding rows included."""
         if not self.capture or self.failed or runner.device.type != "cuda":
             return runner.logits(pp, dev, runner.run(pp, dev))
         key = (pp.bucket, pp.span)
@@ -90,7 +88,7 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def _capture(self, runner: ModelRunner, pp: PassPlan, dev: DevicePlan) -> tuple:
+    def _capture(self, runner: Any, pp: Any, dev: DevicePlan) -> tuple:
         start, end = pp.span
         static = torch.zeros(end, dtype=torch.uint8, device=runner.device)
         static[start:end].copy_(dev.data[start:end])

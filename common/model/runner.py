@@ -47,8 +47,8 @@ from common.model.attention import (
     LayerArgs,
     PassGeometry,
     PoolView,
-    select_backend,
 )
+from common.model.backends import select_backend
 from common.model.config import ModelConfig
 from common.model.graphs import DecodeGraphs, graph_bucket, graphs_wanted
 from common.model.model import Model
