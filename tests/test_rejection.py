@@ -155,3 +155,24 @@ def test_a_speculative_step_samples_like_a_plain_one(model):
     stat, dof = float(((obs - exp) ** 2 / exp).sum() * 2), len(obs) - 1
     crit = dof * (1 - 2 / (9 * dof) + 3.72 * (2 / (9 * dof)) ** 0.5) ** 3
     assert dof >= 3 and stat <= crit, (stat, crit, spec[keep], plain[keep])
+
+
+def test_a_flat_target_nucleus_past_the_cpu_candidates_is_verified_again(model, monkeypatch):
+    """CPU: with few candidates a flat distribution's nucleus passes them; the draft
+    proposes from its candidates (still a true distribution), and the verification of the
+    marked sequences runs again over the whole vocabulary."""
+    from common.model import sampling
+    from decode_node import speculative
+    monkeypatch.setattr(sampling, "CPU_CANDIDATES", 4)
+    again = []
+    redo = speculative._Done.again
+
+    def counted(self, seqs):
+        again.append(len(seqs))
+        return redo(self, seqs)
+
+    monkeypatch.setattr(speculative._Done, "again", counted)
+    draft = Model(F64.with_overrides(seed=11, num_layers=2, num_draft_layers=0))
+    tokens = first_tokens(model, draft, SpeculativeStep(3), 6)
+    assert again and again[0] == 6  # every row's nucleus (temperature 1.5) passes 4 tokens
+    assert ((0 <= tokens) & (tokens < F64.vocab_size)).all()
