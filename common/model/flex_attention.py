@@ -156,7 +156,8 @@ class FlexAttention(AttentionBackend):
         meta, t = state.meta, state.t
         q = args.q[t["q_index"]].transpose(1, 2)  # [B, heads, nq, dim]
         k, v = state.kv(args.layer, args.width, args.q.shape[-1], meta.num_items)
-        o = _flex(args.q.device)(q, k, v, block_mask=state.mask, enable_gqa=True)
+        o = _flex(args.q.device)(q, k, v, block_mask=state.mask, enable_gqa=True,
+                                 kernel_options=state.kernel_options)
         o = o.transpose(1, 2).reshape(meta.num_items * meta.num_queries, -1)
         return o[t["valid"]]  # [num_tokens, heads * dim]
 
@@ -165,6 +166,10 @@ class _FlexState:
     def __init__(self, meta: _FlexMeta, t: dict[str, torch.Tensor], mask, pool: PoolView,
                  kv_len: int) -> None:
         self.meta, self.t, self.mask, self.pool, self.kv_len = meta, t, mask, pool, kv_len
+        # the kernel's KV tile must divide a page (its sparse KV block); its default
+        # prefill tile (64 or 128) is refused for 16-token pages
+        ps = pool.page_size
+        self.kernel_options = {"BLOCK_N": next(b for b in (64, 32, 16) if ps % b == 0)}
 
     def kv(self, layer: int, width: int, dim: int, num_items: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
