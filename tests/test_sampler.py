@@ -31,7 +31,11 @@ def frequencies(logits: torch.Tensor, p: SamplingParams, n: int = 6000) -> np.nd
                                 dict(temperature=1.0, top_k=6, top_p=0.8, min_p=0.05)],
                          ids=["t1", "t0.6", "top_p", "top_k", "min_p", "all"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_draws_follow_the_truncated_distribution(kw, dtype):
+@pytest.mark.parametrize("mode", [sampling.HISTOGRAM, 3, 0], ids=["cpu", "topk3", "sort"])
+def test_draws_follow_the_truncated_distribution(kw, dtype, mode, monkeypatch):
+    """On CPU (rejection, redraws by the histogram), with 3 sorted candidates (nuclei past
+    them drawn again) and with a sort (CUDA's way)."""
+    monkeypatch.setattr(sampling, "CPU_CANDIDATES", mode)
     p = SamplingParams(**kw)
     logits = logits_of(PROBS, dtype)
     counts = frequencies(logits, p)
@@ -66,21 +70,27 @@ def test_seeds_and_labels_and_steps_each_change_the_draws():
     assert len(set(one)) > 15  # the steps draw independently
 
 
-def test_a_nucleus_past_the_cpu_candidates_is_drawn_exactly(monkeypatch):
-    """Few candidates: flat rows' nuclei pass them and are drawn again over the whole
-    vocabulary, with the same numbers; the tokens equal a run with enough candidates."""
+def test_rows_a_cpu_draw_cannot_settle_are_marked_for_an_exact_redraw(monkeypatch):
+    """By rejection, a draw outside the nucleus; by few candidates, a nucleus past them:
+    each is marked, and ``exact_rows`` draws it again (the chi-square tests above check
+    the result for both ways)."""
     gen = torch.Generator().manual_seed(5)
     logits = torch.cat([torch.randn(8, 400, generator=gen) * 0.1,  # flat: nucleus ~ 360
                         torch.randn(8, 400, generator=gen) * 8])    # peaked: a few tokens
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(16)]
-    wide = sample(logits, params, [""] * 16, [0] * 16)
-    monkeypatch.setattr(sampling, "CPU_CANDIDATES", 32)
     host = HostPlan("cpu")
     sp = plan_sampling(host, params, [seed_key(p, "") for p in params], [0] * 16,
                        vocab_size=400)
-    d = process(logits, SamplingArgs.bind(sp, host.upload()), candidates=32)
+    args = SamplingArgs.bind(sp, host.upload())
+    d = process(logits, args, candidates=32)
     assert d.uncovered.tolist() == [True] * 8 + [False] * 8
-    assert sample(logits, params, [""] * 16, [0] * 16) == wide
+    flat = logits[:1].expand(2000, -1)
+    many = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(2000)]
+    host = HostPlan("cpu")
+    sp = plan_sampling(host, many, list(range(2000)), [0] * 2000, vocab_size=400)
+    rate = sampling.choose(flat, SamplingArgs.bind(sp, host.upload()),
+                           sampling.HISTOGRAM)[1].double().mean().item()
+    assert 0.05 < rate < 0.15  # about 1 - top_p of a flat row's draws fall outside
 
 
 def reference_penalties(logits: np.ndarray, prompt: list[int], output: list[int],
@@ -158,3 +168,35 @@ def test_block_draws_over_a_large_vocabulary_match_one_cumulative_sum():
     draws = sampling.draw_weighted(row, torch.rand(20000, generator=gen, dtype=torch.float64))
     expected = float((w[0].double() * torch.arange(49152)).sum() / w[0].double().sum())
     assert abs(draws.double().mean().item() - expected) < 0.01 * expected
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 4.0, 12.0], ids=["flat", "wide", "peaked",
+                                                               "sharp"])
+def test_the_histogram_finds_the_sorted_nucleus_edge(spread):
+    """The CPU's top-p threshold (a mass histogram, then a sort of one bin) equals the
+    threshold a full sort finds, for nuclei of a few to tens of thousands of tokens."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(12, 49152, generator=gen) * spread
+    logits[0, :300] = logits[0, 300]  # ties at the edge
+    params = [SamplingParams(temperature=t, top_p=p, seed=1) for t, p in
+              zip([1.0, 0.7, 1.5] * 4, [0.9, 0.5, 0.99, 0.3] * 3)]
+    host = HostPlan("cpu")
+    sp = plan_sampling(host, params, [1] * 12, [0] * 12, vocab_size=49152)
+    args = SamplingArgs.bind(sp, host.upload())
+    hist = process(logits, args, candidates=sampling.HISTOGRAM)
+    exact = process(logits, args, candidates=0)
+    assert not hist.uncovered.any()
+    assert torch.equal(hist.thr, exact.thr)
+    torch.testing.assert_close(hist.mass, exact.mass, rtol=1e-6, atol=0)
+
+
+def test_an_edge_bin_too_full_to_sort_is_drawn_again(monkeypatch):
+    monkeypatch.setattr(sampling, "EDGE_TOKENS", 8)
+    logits = torch.zeros(2, 4096)  # one bin holds the whole vocabulary
+    params = [SamplingParams(temperature=1.0, top_p=0.5, seed=i) for i in range(2)]
+    host = HostPlan("cpu")
+    sp = plan_sampling(host, params, [1, 2], [0, 0], vocab_size=4096)
+    d = process(logits, SamplingArgs.bind(sp, host.upload()), candidates=sampling.HISTOGRAM)
+    assert d.uncovered.all()
+    assert sample(logits, params, ["", ""], [0, 0]) == sample(
+        logits, params, ["", ""], [0, 0])  # drawn again exactly, reproducibly

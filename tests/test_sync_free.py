@@ -59,11 +59,12 @@ def assert_one_transfer_each_way(rec: SyncRecorder) -> None:
     assert (rec.uploads, rec.downloads) == (1, 1)
 
 
-@pytest.fixture(autouse=True)
-def few_candidates(monkeypatch):
-    """CPU truncation reads fewer candidates than the tiny vocabulary has, as it does at
-    real vocabulary sizes (top_k=8 keeps every row's nucleus inside them)."""
-    monkeypatch.setattr(sampling, "CPU_CANDIDATES", 16)
+@pytest.fixture(autouse=True, params=[sampling.HISTOGRAM, 16], ids=["histogram", "topk16"])
+def truncation(request, monkeypatch):
+    """Both ways CPU truncation reads a row: the mass histogram (the default) and sorted
+    candidates, fewer than the tiny vocabulary has (top_k=8 keeps every row's nucleus
+    inside them)."""
+    monkeypatch.setattr(sampling, "CPU_CANDIDATES", request.param)
 
 
 def test_a_prefill_chunk_and_the_pass_that_samples_the_first_token(model):

@@ -21,12 +21,14 @@ is the inverse of the kept mass's cumulative sum (float64) at that number. A req
 tokens therefore depend on its seed and steps only, never on its batch neighbours or on
 the device, and no draw uses a device random generator (CUDA graphs can replay a step).
 
-Truncation without sorting the vocabulary: ``top_k`` and ``top_p`` read the row's
-``candidates`` most likely tokens (``torch.topk``). On CUDA the candidates are the whole
-vocabulary (a sort is cheap there). On CPU they are ``CPU_CANDIDATES``; a row whose
-nucleus does not fit in them (a flat distribution) is marked ``uncovered``, and the
-step draws it again exactly (``exact_rows``), the only case where a step reads the device
-twice, and only on CPU.
+Truncation: ``top_k`` reads each row's ``top_k`` most likely tokens (``torch.topk``).
+``top_p`` needs the nucleus's edge: on CUDA by sorting the vocabulary (cheap there); on
+CPU, where a sort of 64 x 49k logits costs 20 times a pass over them, by a histogram of
+the row's mass over log-probability bins and a sort of the one bin the edge falls in
+(``_nucleus_edge``). A row whose edge bin holds more than ``EDGE_TOKENS`` tokens is marked
+``uncovered`` and drawn again with a sort (``exact_rows``): the only case where a step
+reads the device twice, on CPU only. Either way the edge is exact, every sampled row
+draws over its whole vocabulary in vocabulary order, and the tokens are the same.
 """
 
 from __future__ import annotations
@@ -42,11 +44,19 @@ import torch
 from common.model.plan import DevicePlan, HostPlan, Slot, download
 from common.request import Request, SamplingParams
 
-DRAW, DRAFT, ACCEPT = 0, 1, 2
+DRAW, DRAFT, ACCEPT, REDRAW = 0, 1, 2, 3
 """Purposes of a uniform: a token drawn for the output, a draft's proposal, the test of
-a proposal (rejection sampling)."""
-CPU_CANDIDATES = 1024
-"""Tokens ``top_k``/``top_p`` read per row on CPU (the whole vocabulary on CUDA)."""
+a proposal (rejection sampling), an output token drawn again (``exact_rows``)."""
+HISTOGRAM = -1
+"""``candidates`` value for the CPU's top-p: a mass histogram, not sorted candidates."""
+CPU_CANDIDATES = HISTOGRAM
+"""How truncation reads each row on CPU (``HISTOGRAM``, or a number of sorted
+candidates); on CUDA it sorts the whole vocabulary."""
+HIST_BINS, HIST_RANGE = 8192, 48.0
+"""The histogram's bins: the row's log-probabilities below its most likely token, down to
+its least likely or ``HIST_RANGE`` (the last bin takes everything past it)."""
+EDGE_TOKENS = 256
+"""Tokens of the bin the nucleus ends in that are sorted (more: the row is redrawn)."""
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -68,7 +78,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
 def uniforms(keys: Sequence[int], steps: Sequence[int], purpose: int) -> np.ndarray:
     """One number in [0, 1) per (key, step) for ``purpose`` (float64, 53 random bits)."""
     k = np.asarray(keys, dtype=np.uint64)
-    s = np.asarray(steps, dtype=np.uint64) * np.uint64(4) + np.uint64(purpose)
+    s = np.asarray(steps, dtype=np.uint64) * np.uint64(8) + np.uint64(purpose)
     with np.errstate(over="ignore"):
         z = _mix(_mix(k) ^ s)
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
@@ -93,14 +103,12 @@ class SamplingPlan:
     top_p: bool
     max_top_k: int
     """Largest ``top_k`` of a sampled row (0: none)."""
-    plain: bool = False
-    """Some sampled row is truncated by neither top-k nor top-p (draws over the whole
-    vocabulary)."""
     slots: dict[str, Slot] = field(default_factory=dict)
 
 
 def plan_sampling(host: HostPlan, params: Sequence[SamplingParams], keys: Sequence[int],
-                  steps: Sequence[int], *, vocab_size: int, purposes: Sequence[int] = (DRAW,),
+                  steps: Sequence[int], *, vocab_size: int,
+                  purposes: Sequence[int] = (DRAW, REDRAW),
                   seq_of: Sequence[int] | None = None,
                   history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
                   ) -> SamplingPlan:
@@ -123,8 +131,7 @@ def plan_sampling(host: HostPlan, params: Sequence[SamplingParams], keys: Sequen
     sp = SamplingPlan(n, len(history) if history is not None else n, bool(greedy.all()),
                       not greedy.any(), any(p.has_penalties for p in params),
                       any(p.min_p > 0 for p in sampled), any(p.top_p < 1 for p in sampled),
-                      int(top_k.max(initial=0)),
-                      any(p.top_p == 1 and not 0 < p.top_k < vocab_size for p in sampled))
+                      int(top_k.max(initial=0)))
     inv_t = [1.0 if p.is_greedy else 1.0 / p.temperature for p in params]
     minp_off = [p.temperature * math.log(p.min_p) if p.min_p > 0 and not p.is_greedy
                 else -math.inf for p in params]
@@ -143,7 +150,7 @@ def plan_sampling(host: HostPlan, params: Sequence[SamplingParams], keys: Sequen
 
 def plan_draws(host: HostPlan, reqs: Sequence[Request], vocab_size: int, *,
                rows: Sequence[tuple[int, int]] | None = None,
-               purposes: Sequence[int] = (DRAW,)) -> SamplingPlan:
+               purposes: Sequence[int] = (DRAW, REDRAW)) -> SamplingPlan:
     """``plan_sampling`` for requests: draw ``(i, j)`` is request i's step
     ``sample_step + j`` (default: one draw per request at j = 0). A migrated request's
     prompt ends with the outputs an earlier worker generated (``num_prior``): its steps
@@ -208,28 +215,23 @@ class Dist:
     """What each row draws from (see the module doc); greedy rows are point masses.
 
     ``thr`` is in logit space: a sampled row keeps the tokens with ``x >= thr`` and
-    weighs them by ``exp((x - shift) * inv_t)``; ``mass`` is their sum. A row truncated
-    by top-k or top-p keeps only tokens among its sorted candidates (``cand``: their
-    logits, ids and kept weights), and draws among them; any other sampled row draws over
-    the whole vocabulary.
+    weighs them by ``exp((x - shift) * inv_t)``; ``mass`` is their sum. Every sampled row
+    draws over its whole vocabulary in vocabulary order, however its threshold was found,
+    so a request's tokens do not depend on the device or the truncation's method.
     """
 
     def __init__(self, x: torch.Tensor, top: torch.Tensor, shift: torch.Tensor,
                  args: SamplingArgs, thr: torch.Tensor | None = None,
-                 uncovered: torch.Tensor | None = None, cand: _Candidates | None = None,
-                 full_mass: torch.Tensor | None = None) -> None:
+                 uncovered: torch.Tensor | None = None,
+                 full: torch.Tensor | None = None) -> None:
         self.x, self.top, self.shift, self.args = x, top, shift, args
-        self.thr, self.uncovered, self.cand = thr, uncovered, cand
-        self._full_mass = full_mass
+        self.thr, self.uncovered = thr, uncovered
+        self._full = full
+        self._mass: torch.Tensor | None = None
 
     @property
     def greedy(self) -> torch.Tensor:
         return self.args.greedy
-
-    @property
-    def _plain(self) -> bool:
-        """Some sampled row draws over the whole vocabulary."""
-        return self.cand is None or self.args.sp.plain
 
     def _weights(self, x: torch.Tensor, rows: torch.Tensor | slice = slice(None)
                  ) -> torch.Tensor:
@@ -240,16 +242,18 @@ class Dist:
             w.masked_fill_(x < self.thr[rows][:, None], 0.0)
         return w
 
+    def weights(self) -> torch.Tensor:
+        """[N, V] kept weights of every row (computed once)."""
+        if self._full is None:
+            self._full = self._weights(self.x)
+        return self._full
+
     @property
     def mass(self) -> torch.Tensor:
         """[N] float64: each sampled row's kept weight."""
-        if self._full_mass is None and self._plain:
-            self._full_mass = self._weights(self.x).sum(-1).double()
-        if self.cand is None:
-            return self._full_mass
-        if not self.args.sp.plain:
-            return self.cand.mass
-        return torch.where(self.cand.rows, self.cand.mass, self._full_mass)
+        if self._mass is None:
+            self._mass = self.weights().sum(-1).double()
+        return self._mass
 
     def prob(self, tokens: torch.Tensor) -> torch.Tensor:
         """[N] float64: each row's probability of ``tokens`` ([N])."""
@@ -275,31 +279,7 @@ class Dist:
         kept mass at ``u``."""
         if self.args.sp.greedy_only:
             return self.top
-        tok = None
-        if self._plain:
-            tok = draw_weighted(self._weights(self.x), u)
-        if self.cand is not None:
-            c = self.cand
-            at = draw_weighted(c.weights, u, blocks=False)
-            drawn = c.ids.gather(1, at[:, None])[:, 0]
-            tok = drawn if tok is None else torch.where(c.rows, drawn, tok)
-        return torch.where(self.greedy, self.top, tok)
-
-
-@dataclass
-class _Candidates:
-    """Each row's most likely tokens, sorted, and what of them a truncated row keeps."""
-
-    ids: torch.Tensor
-    """[N, width] token ids."""
-    weights: torch.Tensor
-    """[N, width] kept weights (0 past the row's threshold)."""
-    rows: torch.Tensor
-    """[N] bool: the row draws among its candidates (top-k or top-p truncated)."""
-
-    @property
-    def mass(self) -> torch.Tensor:
-        return self.weights.sum(-1, dtype=torch.float64)
+        return torch.where(self.greedy, self.top, draw_weighted(self.weights(), u))
 
 
 def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -> torch.Tensor:
@@ -332,14 +312,17 @@ def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -
 
 
 def process(logits: torch.Tensor, args: SamplingArgs, *, candidates: int,
-            extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> Dist:
+            extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+            nucleus: bool = True) -> Dist:
     """The distributions of a step's draws (one call for every row of ``logits``).
 
     Args:
         logits: [N, V], one row per draw.
-        candidates: tokens top-k/top-p read per row (0 or >= V: the whole vocabulary).
+        candidates: how top-k/top-p read a row: 0, the whole vocabulary sorted;
+            ``HISTOGRAM``; n > 0, its n most likely tokens.
         extra: (ids [N, E], weights [N, E]) tokens to count as generated on top of the
             plan's history (a speculative position's earlier proposals).
+        nucleus: False: leave top_p out (``choose``'s rejection draw applies it).
     """
     sp = args.sp
     x = logits if logits.dtype == torch.float64 else logits.float()
@@ -351,6 +334,8 @@ def process(logits: torch.Tensor, args: SamplingArgs, *, candidates: int,
     thr = shift + args.row(2, x.dtype) if sp.min_p else None  # x - shift >= T * log(min_p)
     if not sp.top_p and not sp.max_top_k:
         return Dist(x, top, shift, args, thr)
+    if candidates == HISTOGRAM:
+        return _truncate_by_histogram(x, top, shift, args, thr, nucleus)
     return _truncate(x, top, shift, args, thr, candidates)
 
 
@@ -374,75 +359,149 @@ def _penalise(x: torch.Tensor, args: SamplingArgs,
 
 def _truncate(x: torch.Tensor, top: torch.Tensor, shift: torch.Tensor, args: SamplingArgs,
               thr: torch.Tensor | None, candidates: int) -> Dist:
-    """top_k and top_p among each row's sorted candidates (module doc, step 3)."""
+    """top_k and top_p among each row's sorted candidates: the whole vocabulary sorted
+    (``candidates`` 0, CUDA) or its ``candidates`` most likely tokens (module doc, step 3)."""
     sp, vocab, dt = args.sp, x.shape[1], x.dtype
     width = vocab if not candidates else min(vocab, max(candidates, sp.max_top_k))
-    vals, ids = (x.sort(-1, descending=True) if width == vocab
-                 else x.topk(width, -1))  # [N, width], most likely first
+    vals = (x.sort(-1, descending=True) if width == vocab
+            else x.topk(width, -1)).values  # [N, width], most likely first
     top_k = args.t["top_k"]
     kth = vals.gather(1, (top_k - 1).clamp(0, width - 1)[:, None])[:, 0]
     thr_a = torch.where(top_k > 0, kth, -math.inf)  # min_p, then top_k
     if thr is not None:
         thr_a = torch.maximum(thr_a, thr)
     inv_t = args.row(1, dt)[:, None]
+    e = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
+    e.masked_fill_(x < thr_a[:, None], 0.0)
+    if not sp.top_p:
+        return Dist(x, top, shift, args, thr_a, full=e)
+    top_p = args.row(3, torch.float64)
+    goal = top_p * e.sum(-1).double()  # top_p is a share of A's mass (min_p, top_k)
     pc = torch.addcmul(-shift[:, None] * inv_t, vals, inv_t).exp_()
     pc.masked_fill_(vals < thr_a[:, None], 0.0)
-    top_p = args.row(3, torch.float64)
-    use_p = top_p < 1
-    full_mass = None
-    final = thr_a
-    if sp.top_p:
-        # the mass top_p is a share of: A's, over the whole vocabulary
-        full_mass = _kept_mass(x, shift, inv_t, thr_a if (sp.min_p or sp.max_top_k) else None)
-        cum = pc.cumsum(-1, dtype=torch.float64)
-        goal = top_p * full_mass
-        # the nucleus: each token whose more likely tokens hold less than top_p of the mass
-        inside = (cum - pc) < goal[:, None]
-        last = (inside.sum(-1) - 1).clamp_(min=0)
-        nucleus = vals.gather(1, last[:, None])[:, 0]
-        final = torch.where(use_p, torch.maximum(thr_a, nucleus), thr_a)
-    truncated = use_p | (top_k > 0)
-    pc.masked_fill_(vals < final[:, None], 0.0)
+    cum = pc.cumsum(-1, dtype=torch.float64)
+    # the nucleus: each token whose more likely tokens hold less than top_p of the mass
+    inside = (cum - pc) < goal[:, None]
+    last = (inside.sum(-1) - 1).clamp_(min=0)
+    use = top_p < 1
+    final = torch.where(use, torch.maximum(thr_a, vals.gather(1, last[:, None])[:, 0]), thr_a)
     uncovered = None
     if width < vocab:
-        # a row whose kept tokens may pass its candidates (a nucleus past them, ties at
-        # the edge): draws among the candidates here (a true distribution a draft may
-        # propose from) and is marked for an exact draw
-        uncovered = truncated & ~args.greedy & (final <= vals[:, -1])
+        # the nucleus (or its ties) may pass the candidates: keep the candidates (a true
+        # distribution a speculative draft may propose from) and mark the row for an
+        # exact draw
+        uncovered = use & ~args.greedy & (final <= vals[:, -1])
         final = torch.where(uncovered, vals[:, -1], final)
-    cand = _Candidates(ids, pc, truncated)
-    # a plain row's kept mass is A's (min_p alone), already summed when top_p needed it
-    return Dist(x, top, shift, args, final, uncovered, cand, full_mass)
+    e.masked_fill_(x < final[:, None], 0.0)
+    return Dist(x, top, shift, args, final, uncovered, full=e)
 
 
-def _kept_mass(x: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor,
-               thr: torch.Tensor | None) -> torch.Tensor:
-    """[N] float64: sum over the vocabulary of the weights of tokens with x >= thr."""
-    w = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
-    if thr is not None:
-        w.masked_fill_(x < thr[:, None], 0.0)
-    return w.sum(-1).double()
+def _truncate_by_histogram(x: torch.Tensor, top: torch.Tensor, shift: torch.Tensor,
+                           args: SamplingArgs, thr: torch.Tensor | None,
+                           nucleus: bool = True) -> Dist:
+    """top_k among each row's ``max_top_k`` most likely tokens, top_p by ``_nucleus_edge``:
+    no sort of the vocabulary, whatever the nucleus's size (the CPU's path)."""
+    sp, dt = args.sp, x.dtype
+    thr_a = torch.full_like(shift, -math.inf) if thr is None else thr
+    top_k = args.t["top_k"]
+    if sp.max_top_k:
+        vals = x.topk(min(sp.max_top_k, x.shape[1]), -1).values
+        kth = vals.gather(1, (top_k - 1).clamp(0, vals.shape[1] - 1)[:, None])[:, 0]
+        thr_a = torch.maximum(thr_a, torch.where(top_k > 0, kth, -math.inf))
+    inv_t = args.row(1, dt)[:, None]
+    e = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
+    e.masked_fill_(x < thr_a[:, None], 0.0)
+    final, uncovered = thr_a, None
+    if sp.top_p and nucleus:
+        top_p = args.row(3, torch.float64)
+        goal = top_p * e.sum(-1).double()
+        edge, overflow = _nucleus_edge(x, e, shift, inv_t, thr_a, goal)
+        use = top_p < 1
+        final = torch.where(use, torch.maximum(thr_a, edge), thr_a)
+        uncovered = use & overflow & ~args.greedy
+        e.masked_fill_(x < final[:, None], 0.0)
+    return Dist(x, top, shift, args, final, uncovered, full=e)
+
+
+def _nucleus_edge(x: torch.Tensor, e: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor,
+                  thr_a: torch.Tensor, goal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-p threshold (a logit) without sorting its vocabulary.
+
+    The kept weights ``e`` go into ``HIST_BINS`` bins of log-probability below the row's
+    most likely token (one ``index_add_``); the bin where the cumulative mass reaches
+    ``goal`` is the only one whose tokens may fall either side of the nucleus's edge, so
+    only its tokens are sorted (``topk`` of ``EDGE_TOKENS``). Returns the threshold and
+    whether that bin held more tokens than were sorted (the row must be drawn again)."""
+    n = x.shape[0]
+    # bins over the row's own range of log-probability (up to HIST_RANGE): a flat row
+    # gets bins as fine as a peaked one's in tokens per bin
+    spread = ((shift - x.amin(-1))[:, None] * inv_t).clamp_(min=1e-6, max=HIST_RANGE)
+    scale = inv_t * (HIST_BINS * (1 - 1e-6)) / spread  # [N, 1]
+    pos = torch.addcmul(shift[:, None] * scale, x, scale, value=-1.0)  # >= 0, bins from 0
+    rows = torch.arange(n, device=x.device)[:, None] * HIST_BINS
+    index = pos.clamp_(0, HIST_BINS - 1).long().add_(rows)  # [N, V]: row * bins + bin
+    mass = torch.zeros(n * HIST_BINS, dtype=e.dtype, device=x.device)
+    mass.index_add_(0, index.view(-1), e.view(-1))
+    cum = mass.view(n, HIST_BINS).double().cumsum(-1)
+    edge_bin = torch.searchsorted(cum, goal[:, None])[:, 0].clamp_(max=HIST_BINS - 1)
+    before = torch.where(edge_bin > 0, cum.gather(1, (edge_bin - 1).clamp(min=0)[:, None])[:, 0],
+                         0.0)
+    in_edge = index == (edge_bin + torch.arange(n, device=x.device) * HIST_BINS)[:, None]
+    vals = torch.where(in_edge & (x >= thr_a[:, None]), x, -math.inf).topk(
+        min(EDGE_TOKENS, x.shape[1]), -1).values  # [N, EDGE_TOKENS], most likely first
+    pc = torch.addcmul(-shift[:, None] * inv_t, vals, inv_t).exp_()  # -inf: 0
+    held = before[:, None] + pc.cumsum(-1, dtype=torch.float64)
+    inside = (held - pc) < goal[:, None]
+    last = (inside.sum(-1) - 1).clamp_(min=0)
+    return vals.gather(1, last[:, None])[:, 0], vals[:, -1] > -math.inf
 
 
 # -- a step's draws, start to end -----------------------------------------------------------
-def choose(logits: torch.Tensor, args: SamplingArgs, candidates: int) -> torch.Tensor:
-    """[2, N] int64: each draw's token and whether it needs an exact redraw (CPU)."""
+def choose(logits: torch.Tensor, args: SamplingArgs, candidates: int, purpose: int = DRAW,
+           reject: bool = True) -> torch.Tensor:
+    """[2, N] int64: each draw's token and whether it must be drawn again (CPU only).
+
+    On CPU (``HISTOGRAM``) top-p rows draw by rejection: a token drawn from the row's
+    distribution before top-p is kept when it is inside the nucleus (the mass of the
+    tokens more likely than it is below top_p of the whole: one pass), which holds with
+    probability top_p or more; the others are marked and ``exact_rows`` draws them from
+    the nucleus with a fresh number (``REDRAW``), so every token follows the nucleus's
+    distribution exactly. That costs a handful of passes where finding the nucleus's
+    edge costs a sort or a histogram of every row.
+    """
+    if reject and candidates == HISTOGRAM and args.sp.top_p:
+        return _choose_by_rejection(logits, args, purpose)
     d = process(logits, args, candidates=candidates)
-    tokens = d.draw(args.u(DRAW))
+    tokens = d.draw(args.u(purpose))
     flags = torch.zeros_like(tokens) if d.uncovered is None else d.uncovered.long()
     return torch.stack([tokens, flags])
 
 
+def _choose_by_rejection(logits: torch.Tensor, args: SamplingArgs, purpose: int
+                         ) -> torch.Tensor:
+    d = process(logits, args, candidates=HISTOGRAM, nucleus=False)
+    tokens = d.draw(args.u(purpose))
+    xt = d.x.gather(1, tokens[:, None])  # [N, 1]
+    more = torch.where(d.x > xt, d.weights(), 0.0).sum(-1).double()
+    top_p = args.row(3, torch.float64)
+    outside = (top_p < 1) & ~args.greedy & (more >= top_p * d.mass)
+    return torch.stack([tokens, outside.long()])
+
+
 def exact_rows(logits: torch.Tensor, args: SamplingArgs, out: np.ndarray) -> np.ndarray:
     """``out`` ([2, N], as ``choose`` returned it, downloaded) with the marked draws drawn
-    again over the whole vocabulary; a second read of the device, on CPU only."""
-    rows = np.flatnonzero(out[1])
-    if not len(rows):
-        return out[0]
-    index = torch.from_numpy(rows).to(logits.device)
-    again = download(choose(logits[index], args.take(index), 0))
+    again, exactly, with fresh numbers: the nucleus's edge by the histogram, by a sort
+    where its edge bin was too full. Reads the device again; only on CPU."""
     tokens = out[0].copy()
-    tokens[rows] = again[0]
+    rows = np.flatnonzero(out[1])
+    for candidates in (HISTOGRAM, 0):
+        if not len(rows):
+            break
+        index = torch.from_numpy(rows).to(logits.device)
+        again = download(choose(logits[index], args.take(index), candidates, REDRAW,
+                                reject=False))
+        tokens[rows] = again[0]
+        rows = rows[np.flatnonzero(again[1])]
     return tokens
 
 
