@@ -14,6 +14,8 @@ On CPU nothing waits, so the recorder looks for what would wait on a GPU:
 The two transfers a step may make are the step's plan going up (``HostPlan.upload``) and
 its results coming down (``common.model.plan.download``); what happens inside those two
 functions is counted as one transfer per call, and anything anywhere else is a violation.
+``sampling.exact_rows`` (CPU only: draws outside their nucleus drawn again) is counted
+apart, as ``redraws``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.model import plan as plan_module
+from common.model import sampling as sampling_module
 
 _SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select",
              "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "equal",
@@ -33,7 +36,9 @@ _SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_sel
 _READS = {"tolist", "numpy", "cpu", "cuda", "__bool__", "__int__", "__float__", "__index__",
           "item"}
 _TRANSFERS = {plan_module.HostPlan.upload.__code__: "upload",
-              plan_module.download.__code__: "download"}
+              plan_module.download.__code__: "download",
+              # CPU only: draws outside their nucleus drawn again, after the step's download
+              sampling_module.exact_rows.__code__: "redraw"}
 
 
 @dataclass
@@ -42,7 +47,7 @@ class SyncRecorder:
 
     violations: list[str] = field(default_factory=list)
     transfers: dict[str, dict[int, object]] = field(
-        default_factory=lambda: {"upload": {}, "download": {}})
+        default_factory=lambda: {"upload": {}, "download": {}, "redraw": {}})
     """Each transfer's frame by id (kept alive, so that no later call reuses its id)."""
 
     def __enter__(self) -> SyncRecorder:
@@ -63,20 +68,26 @@ class SyncRecorder:
     def downloads(self) -> int:
         return len(self.transfers["download"])
 
+    @property
+    def redraws(self) -> int:
+        return len(self.transfers["redraw"])
+
     def note(self, what: str) -> None:
         """Counts ``what`` as part of a transfer, or records it as a violation."""
         frame = inspect.currentframe()
-        caller = ""
+        caller, within = "", None
         while frame is not None:
             kind = _TRANSFERS.get(frame.f_code)
-            if kind is not None:
-                self.transfers[kind][id(frame)] = frame
-                return
+            if kind is not None and (within is None or kind == "redraw"):
+                within = (kind, frame)  # a redraw's own upload and download are its
             name = frame.f_code.co_filename
             if not caller and "/torch/" not in name and name != __file__:
                 caller = f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
             frame = frame.f_back
-        self.violations.append(f"{what} at {caller}")
+        if within is not None:
+            self.transfers[within[0]][id(within[1])] = within[1]
+        else:
+            self.violations.append(f"{what} at {caller}")
 
 
 class _Functions(TorchFunctionMode):

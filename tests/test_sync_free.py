@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from common import KvCache
 from common.model import BatchItem, ModelRunner, sampling
@@ -57,14 +58,25 @@ def one_step(batch: DecodeBatch) -> SyncRecorder:
 def assert_one_transfer_each_way(rec: SyncRecorder) -> None:
     assert rec.violations == []
     assert (rec.uploads, rec.downloads) == (1, 1)
+    # only the CPU's rejection draws may draw again, past the step's one download
+    assert rec.redraws <= (1 if MODE["value"] == sampling.HISTOGRAM else 0)
 
 
-@pytest.fixture(autouse=True, params=[sampling.HISTOGRAM, 16], ids=["histogram", "topk16"])
+MODE = {"value": 0}
+
+
+@pytest.fixture(autouse=True, params=[0, 16, sampling.HISTOGRAM],
+                ids=["sort", "topk16", "cpu"])
 def truncation(request, monkeypatch):
-    """Both ways CPU truncation reads a row: the mass histogram (the default) and sorted
-    candidates, fewer than the tiny vocabulary has (top_k=8 keeps every row's nucleus
-    inside them)."""
+    """Each way truncation reads a row: a sort (CUDA's), 16 sorted candidates (fewer than
+    the tiny vocabulary has; top_k=8 keeps every nucleus inside them) and the CPU's
+    (histogram, rejection). The CPU's may read the device a second time, by design, when
+    a draw fell outside its nucleus and is drawn again."""
     monkeypatch.setattr(sampling, "CPU_CANDIDATES", request.param)
+    monkeypatch.setattr(sampling, "candidates_for", lambda device: request.param)
+    for where in ("decode_node.batch", "decode_node.speculative", "prefill_node.engine"):
+        monkeypatch.setattr(f"{where}.candidates_for", lambda device: request.param)
+    MODE["value"] = request.param
 
 
 def test_a_prefill_chunk_and_the_pass_that_samples_the_first_token(model):
@@ -145,3 +157,15 @@ def test_a_tolist_and_a_boolean_index_in_sampling_are_caught(model, monkeypatch)
     kinds = " ".join(rec.violations)
     assert "boolean index" in kinds and "Tensor.tolist" in kinds
     assert rec.downloads == 1  # the step's own copy out still counts once
+
+
+def test_a_cpu_redraw_is_counted_apart_from_the_steps_two_copies():
+    """A flat row with a small top_p: its rejection draw falls outside the nucleus and is
+    drawn again (CPU only), after the one download; nothing else reads the device."""
+    if MODE["value"] != sampling.HISTOGRAM:
+        pytest.skip("the CPU's rejection draws only")
+    logits = torch.linspace(0, 1, 300).expand(4, -1).contiguous()
+    params = [SamplingParams(temperature=1.0, top_p=0.3, seed=i) for i in range(4)]
+    with SyncRecorder() as rec:
+        sampling.sample(logits, params, [""] * 4, [0] * 4)
+    assert rec.violations == [] and (rec.uploads, rec.downloads, rec.redraws) == (1, 1, 1)
