@@ -282,9 +282,10 @@ class Dist:
         return torch.where(self.greedy, self.top, draw_weighted(self.weights(), u))
 
 
-def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -> torch.Tensor:
+def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True,
+                  total: bool = False):
     """[N] indices: row i's token where its cumulative weight passes ``u[i]`` of its total
-    (a zero weight is never chosen).
+    (a zero weight is never chosen); with ``total``, also the totals ([N] float64).
 
     Sums run in float64. Over a whole vocabulary the row is cut into blocks: block sums,
     a cumulative sum over blocks, then one over the chosen block (a float64 cumulative sum
@@ -295,7 +296,8 @@ def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -
     if not blocks or not block:
         cum = weights.cumsum(-1, dtype=torch.float64)  # [N, width]
         target = (u.double() * cum[:, -1])[:, None]
-        return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=width - 1)
+        at = torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=width - 1)
+        return (at, cum[:, -1]) if total else at
     parts = weights.view(n, width // block, block)
     cum = parts.sum(-1).double().cumsum(-1)  # [N, blocks]
     target = u.double() * cum[:, -1]
@@ -308,7 +310,8 @@ def draw_weighted(weights: torch.Tensor, u: torch.Tensor, blocks: bool = True) -
     # rounding between the block's sum and its own cumulative sum may point past its last
     # kept token: never past it
     last = block - 1 - (inner.flip(-1) > 0).to(torch.int32).argmax(-1)
-    return b * block + torch.minimum(j, last)
+    at = b * block + torch.minimum(j, last)
+    return (at, cum[:, -1]) if total else at
 
 
 def process(logits: torch.Tensor, args: SamplingArgs, *, candidates: int,
@@ -410,7 +413,8 @@ def _truncate_by_histogram(x: torch.Tensor, top: torch.Tensor, shift: torch.Tens
         thr_a = torch.maximum(thr_a, torch.where(top_k > 0, kth, -math.inf))
     inv_t = args.row(1, dt)[:, None]
     e = torch.addcmul(-shift[:, None] * inv_t, x, inv_t).exp_()
-    e.masked_fill_(x < thr_a[:, None], 0.0)
+    if thr is not None or sp.max_top_k:
+        e.masked_fill_(x < thr_a[:, None], 0.0)
     final, uncovered = thr_a, None
     if sp.top_p and nucleus:
         top_p = args.row(3, torch.float64)
@@ -480,11 +484,12 @@ def choose(logits: torch.Tensor, args: SamplingArgs, candidates: int, purpose: i
 def _choose_by_rejection(logits: torch.Tensor, args: SamplingArgs, purpose: int
                          ) -> torch.Tensor:
     d = process(logits, args, candidates=HISTOGRAM, nucleus=False)
-    tokens = d.draw(args.u(purpose))
-    xt = d.x.gather(1, tokens[:, None])  # [N, 1]
-    more = torch.where(d.x > xt, d.weights(), 0.0).sum(-1).double()
+    w = d.weights()
+    drawn, mass = draw_weighted(w, args.u(purpose), total=True)
+    tokens = torch.where(d.greedy, d.top, drawn)
+    more = torch.where(d.x > d.x.gather(1, drawn[:, None]), w, 0.0).sum(-1).double()
     top_p = args.row(3, torch.float64)
-    outside = (top_p < 1) & ~args.greedy & (more >= top_p * d.mass)
+    outside = (top_p < 1) & ~args.greedy & (more >= top_p * mass)
     return torch.stack([tokens, outside.long()])
 
 
