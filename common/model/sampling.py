@@ -18,17 +18,19 @@ A draw takes one uniform number, a pure function of the request's seed (or, with
 its label), its step and the draw's purpose (``DRAW``, a speculative ``DRAFT`` proposal,
 an ``ACCEPT`` test), computed on the host and uploaded with the step's plan; the token
 is the inverse of the kept mass's cumulative sum (float64) at that number. A request's
-tokens therefore depend on its seed and steps only, never on its batch neighbours or on
-the device, and no draw uses a device random generator (CUDA graphs can replay a step).
+tokens therefore depend on its seed and steps only, never on its batch neighbours, and
+no draw uses a device random generator (CUDA graphs can replay a step).
 
 Truncation: ``top_k`` reads each row's ``top_k`` most likely tokens (``torch.topk``).
-``top_p`` needs the nucleus's edge: on CUDA by sorting the vocabulary (cheap there); on
-CPU, where a sort of 64 x 49k logits costs 20 times a pass over them, by a histogram of
+``top_p`` on CUDA sorts the vocabulary (cheap there). On CPU, where a sort of 64 x 49k
+logits costs about 20 passes over them, a plain draw goes by rejection (``choose``): a
+token drawn before top-p is kept when it is inside the nucleus, else the row is marked
+and ``exact_rows`` draws it again from the nucleus with a fresh number, the only case
+where a step reads the device twice, on CPU only. Where the nucleus itself is needed (a
+redraw, a speculative verification's probabilities) its edge comes from a histogram of
 the row's mass over log-probability bins and a sort of the one bin the edge falls in
-(``_nucleus_edge``). A row whose edge bin holds more than ``EDGE_TOKENS`` tokens is marked
-``uncovered`` and drawn again with a sort (``exact_rows``): the only case where a step
-reads the device twice, on CPU only. Either way the edge is exact, every sampled row
-draws over its whole vocabulary in vocabulary order, and the tokens are the same.
+(``_nucleus_edge``); a bin too full to sort marks the row for a sort. Every way finds the
+same nucleus, and every sampled row draws over its whole vocabulary in vocabulary order.
 """
 
 from __future__ import annotations
