@@ -244,7 +244,8 @@ class _StepPlan:
         if self.verify_draws.penalties:  # position j counts proposals 0 .. j - 1
             earlier = (np.arange(k)[None, None, :] < j[None, :, None]) & \
                 (np.arange(k)[None, None, :] < np.asarray(ks)[:, None, None])
-            self.earlier = self.host.add(earlier.reshape(-1, k).astype(np.float32))
+            self.earlier = self.host.add(earlier.reshape(len(seqs) * (k + 1), k)
+                                         .astype(np.float32))  # k = 0: no proposals
 
     # -- the device's part ----------------------------------------------------------------
     def run(self, dev) -> _Done:

@@ -14,7 +14,8 @@ from common.freelog import FreeLogReader, replay_file
 from common.kv import ceil_align, ceil_div
 from common.model import BatchItem, Model, ModelRunner, generate_greedy
 from common.request import Request, SamplingParams
-from decode_node.batch import DecodeBatch, finish_ranges
+from decode_node.batch import DecodeBatch, finish_ranges, plain_step
+from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
 from tests.model_helpers import F64, prompt
 
@@ -168,3 +169,27 @@ def test_rejects_k_zero_and_speculates_for_sampled_requests_too(model, tmp_path)
     h.drain()  # sampled sequences speculate by rejection sampling (tests/test_rejection.py)
     assert len(h.outputs["r"]) == 9 and h.step.stats.num_proposed > 0
     h.close_and_replay()
+
+
+@pytest.mark.parametrize("ngram", [False, True])
+def test_penalised_greedy_speculation_equals_a_plain_penalised_step(model, tmp_path, ngram):
+    """Greedy with vLLM's penalties: each verified position counts the proposals before
+    it, so speculation emits what plain steps emit. With n-gram lookup most steps propose
+    nothing (k = 0 for the whole batch), which the penalties' bookkeeping must allow."""
+    params = SamplingParams(max_new_tokens=12, presence_penalty=0.5, frequency_penalty=0.4,
+                            repetition_penalty=1.4)
+    prompts = {"a": prompt(7, seed=4), "b": prompt(11, seed=5) * 2}
+    outputs = {}
+    for name, step in (("plain", plain_step),
+                       ("spec", SpeculativeStep(3, NgramProposer(3) if ngram else None))):
+        h = Harness(model, tmp_path / name, 4, k=3)
+        h.step = step
+        h.batch = DecodeBatch(h.runner, step)
+        for rid, p in prompts.items():
+            h.join(rid, p, params)
+        h.drain()
+        outputs[name] = h.outputs
+        h.close_and_replay()
+    assert outputs["spec"] == outputs["plain"]
+    plain = {rid: generate_greedy(model, [p], 12)[0] for rid, p in prompts.items()}
+    assert outputs["plain"] != plain   # the penalties change these outputs
