@@ -2,10 +2,11 @@
 
 Each story runs one kind of step (a prefill chunk, a decode step, a sampled step with
 penalties and truncation, a speculative verification with a draft model, greedy and
-sampled, and with n-gram lookup) under ``SyncRecorder`` (tests/sync_recorder.py), which
-fails on anything that would make a GPU's host wait: ``.item()``, ``.tolist()``,
-data-dependent shapes, tensors made from host data, copies to the host. The last tests
-insert such a call into the step and check that the recorder catches it.
+sampled, and with n-gram lookup, the colocated worker's mixed step) under
+``SyncRecorder`` (tests/sync_recorder.py), which fails on anything that would make a
+GPU's host wait: ``.item()``, ``.tolist()``, data-dependent shapes, tensors made from
+host data, copies to the host. The last tests insert such a call into the step and check
+that the recorder catches it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def truncation(request, monkeypatch):
     a draw fell outside its nucleus and is drawn again."""
     monkeypatch.setattr(sampling, "CPU_CANDIDATES", request.param)
     monkeypatch.setattr(sampling, "candidates_for", lambda device: request.param)
-    for where in ("decode_node.batch", "decode_node.speculative", "prefill_node.engine"):
+    for where in ("decode_node.batch", "decode_node.speculative", "prefill_node.engine",
+                  "deploy.launch.colocated"):
         monkeypatch.setattr(f"{where}.candidates_for", lambda device: request.param)
     MODE["value"] = request.param
 
@@ -126,6 +128,46 @@ def test_a_speculative_verification_by_ngram_lookup(model):
         batch.runner.cache.extend(s.kv, s.next_position + 1 - s.kv.allocated_len)
     assert_one_transfer_each_way(one_step(batch))
     assert batch.step_fn.stats.num_proposed == 6
+
+
+def test_a_colocated_mixed_step(tmp_path):
+    """The colocated worker's mixed step (decode tokens and prompt chunks in one pass, a
+    prompt ending in it) under the recorder: one copy in, one copy of every id out."""
+    from common.config import ServeConfig
+    from common.control import Req, pack_ids
+    from deploy.launch.colocated import ColocatedWorker
+    from tests.fakes import FakeLink
+
+    cfg = ServeConfig(dtype="float64", page_size=4, decode_pages=64, chunk_size=8,
+                      max_prefill_tokens=16, spec_k=0, offload=False, heartbeat_s=0.2,
+                      lease_s=3.0)
+    worker = ColocatedWorker("c0", FakeLink(), log_dir=str(tmp_path))
+    worker.start(cfg)
+    recs: list[tuple[SyncRecorder, int]] = []
+    inner = worker._mixed_forward
+
+    def recorded(runner, seqs, chunks):
+        with SyncRecorder() as rec:
+            out = inner(runner, seqs, chunks)
+        recs.append((rec, len(worker._computed)))
+        return out
+
+    worker._mixed_forward = recorded
+    try:
+        sampled = {**SAMPLED.to_dict(), "max_new_tokens": 8}  # penalties, truncation
+        worker.dispatch(Req("a", pack_ids(prompt(6, seed=1)), sampled, prefill="",
+                            prefill_addr="", decode="c0"))
+        while not worker.scheduler.batch.running:
+            worker.tick()
+        worker.dispatch(Req("b", pack_ids(prompt(10, seed=2)), {"max_new_tokens": 4},
+                            prefill="", prefill_addr="", decode="c0"))
+        for _ in range(4):
+            worker.tick()
+    finally:
+        worker.close()
+    assert any(ended for _, ended in recs)  # a step that ended b's prompt and drew for it
+    for rec, _ in recs:
+        assert_one_transfer_each_way(rec)
 
 
 # -- the recorder can fail --------------------------------------------------------------------
