@@ -259,7 +259,7 @@ class _StepPlan:
         else:
             props = self._propose(dev, num_b, cand, count)
         h = runner.run(self.verify_pass, dev, source=props.tokens)
-        logits = runner.model.logits(h[dev[self.padded]])  # [B * (k + 1), V]
+        logits = runner.head(self.verify_pass, h, dev[self.padded])  # [B * (k + 1), V]
         args = SamplingArgs.bind(self.verify_draws, dev)
         extra = None
         if self.verify_draws.penalties:

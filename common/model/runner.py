@@ -297,11 +297,18 @@ class ModelRunner:
                padded: bool = False) -> torch.Tensor:
         """Logits of each item's last token [items, vocab], or of every token (a padded
         pass's padding cut off unless ``padded``)."""
-        model = self.model_of(pp.draft)
         if every:
-            return model.logits(h[:pp.num_tokens])
-        out = model.logits(h[dev[pp.slots["last"]]])
+            return self.head(pp, h[:pp.num_tokens])
+        out = self.head(pp, h, dev[pp.slots["last"]])
         return out if padded else out[:len(pp.items)]
+
+    def head(self, pp: PassPlan, h: torch.Tensor, rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Logits of ``h[rows]`` (all of ``h`` when None), ``h`` being the hidden states
+        of ``pp``, the pass run last: every logits computation goes through here (a
+        tensor-parallel leader announces the rows, its followers compute their shards of
+        the same rows)."""
+        return self.model_of(pp.draft).logits(h if rows is None else h[rows])
 
     def step_logits(self, pp: PassPlan, dev: DevicePlan) -> torch.Tensor:
         """``logits(run(...))`` of a planned pass; a padded decode pass through its CUDA

@@ -115,7 +115,7 @@ class PrefillEngine:
         dev = host.upload()
         h = runner.run(target, dev)
         if finished:
-            logits = runner.model.logits(h[dev[last]])
+            logits = runner.head(target, h, dev[last])
             args = SamplingArgs.bind(draws, dev)
             tokens = exact_rows(logits, args, download(choose(logits, args,
                                                               candidates_for(runner.device))))
