@@ -6,13 +6,15 @@ no KV yet, so ``committed_len == p`` on entry):
 
 1. the draft catches up: it runs the committed tokens whose draft KV it lacks (the newest
    token, and tokens accepted in the last step that it never ran), then proposes k tokens
-   autoregressively, batched over the sequences (draft layers of the same row): greedy
-   sequences its most likely token, sampled ones a draw from its distribution under the
-   sequence's own sampling parameters;
-2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one pass;
-3. acceptance (``common.model.rejection``): greedy sequences take proposals while they
-   equal the target's most likely token, then the target's own; sampled ones accept by
-   rejection sampling, which keeps the target's distribution exactly. Tokens past
+   autoregressively, batched over the sequences (draft layers of the same row): each
+   proposal is the draft's own draw under the sequence's sampling parameters (greedy:
+   its most likely token), with the number the target's draw at that position uses;
+2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one pass and draws
+   at each position as a plain step would there;
+3. acceptance (``common.model.rejection``): proposals are taken while they equal the
+   target's draws, then the target's own draw. Every token is the one plain decoding
+   emits at its output index, so a seeded request's tokens never depend on where its
+   steps begin (a move to another decode, a step without lookahead). Tokens past
    ``max_new_tokens`` or past a stop token are cut off.
 
 All of it is planned on the host before it runs: the draft passes' positions and the
@@ -38,14 +40,13 @@ it travels with the target's), so draft positions ``[0, prompt_len)`` are valid;
 ``DecodeBatch.add`` sets ``Request.num_draft_valid`` so, and this step keeps it current.
 The step holds no per-request state of its own. The draft is the model's own first layers
 (built-ins) or a draft checkpoint (the runner's ``draft``); with n-gram lookup
-(``NgramProposer``) step 1 is a lookup in the request's own tokens instead, its proposals
-are point masses, and there is no draft KV at all.
+(``NgramProposer``) step 1 is a lookup in the request's own tokens instead, and there is
+no draft KV at all.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,8 +55,6 @@ import torch
 from common.config import ServeConfig
 from common.kv import KvCache, OutOfPages
 from common.model import (
-    ACCEPT,
-    DRAFT,
     DRAW,
     BatchItem,
     HostPlan,
@@ -64,10 +63,12 @@ from common.model import (
     SamplingArgs,
     Sourced,
     candidates_for,
+    choose,
     download,
+    exact_rows,
     plan_draws,
-    process,
     verify,
+    verify_on_host,
 )
 from common.request import Request
 from decode_node.batch import StepFn, plain_step
@@ -140,10 +141,13 @@ class SpeculativeStep:
         plan = _StepPlan(runner, seqs, ks, lookups)
         dev = plan.host.upload()
         done = plan.run(dev)
-        out = download(done.result)  # [B, k + 3]: the step's one read of the device
+        # [B, k + 3] result, then the draws and their flags, then the proposals: the
+        # step's one read of the device
+        packed = download(done.packed)
+        out = packed[:, :done.k + 3]
         flagged = np.flatnonzero(out[:, -1])
-        if len(flagged):  # CPU only: a nucleus past the candidates, drawn again exactly
-            out[flagged] = download(done.again(flagged))
+        if len(flagged):  # CPU only: draws outside their nucleus, drawn again exactly
+            out[flagged] = done.again(flagged, packed, np.asarray(ks, np.int64))
         self.stats.num_steps += 1
         return [self._accept(runner.cache, s, int(row[0]), row[1:-1], k_s)
                 for s, row, k_s in zip(seqs, out, ks)]
@@ -217,8 +221,9 @@ class _StepPlan:
             items = [BatchItem(seqs[i].kv, [0], seqs[i].next_position + j) for i in rows]
             sourced = Sourced(np.arange(len(rows)), np.asarray(rows) * k + j - 1)
         pp = runner.plan(self.host, items, draft=True, sourced=sourced)
+        # the number of the target's draw at this position: coupled draws agree often
         sp = plan_draws(self.host, [seqs[i] for i in rows], self.vocab,
-                        rows=[(n, j) for n in range(len(rows))], purposes=(DRAFT,))
+                        rows=[(n, j) for n in range(len(rows))], purposes=(DRAW,))
         return self.host.add(np.asarray(rows, np.int64)), pp, sp, j
 
     def _verify_pass(self) -> None:
@@ -239,8 +244,7 @@ class _StepPlan:
                                      ).reshape(-1))
         self.verify_draws = plan_draws(self.host, seqs, self.vocab,
                                        rows=[(b, jj) for b in range(len(seqs))
-                                             for jj in range(k + 1)],
-                                       purposes=(DRAW, ACCEPT))
+                                             for jj in range(k + 1)])
         if self.verify_draws.penalties:  # position j counts proposals 0 .. j - 1
             earlier = (np.arange(k)[None, None, :] < j[None, :, None]) & \
                 (np.arange(k)[None, None, :] < np.asarray(ks)[:, None, None])
@@ -252,44 +256,25 @@ class _StepPlan:
         runner, k, num_b = self.runner, self.k, len(self.seqs)
         cand = candidates_for(runner.device)
         count = dev[self.count]
-        if self.lookups is not None:
-            tokens = dev[self.lookups]
-            props = Proposals(tokens, count, torch.ones(num_b, k, dtype=torch.float64,
-                                                        device=runner.device))
-        else:
-            props = self._propose(dev, num_b, cand, count)
-        h = runner.run(self.verify_pass, dev, source=props.tokens)
+        tokens = dev[self.lookups] if self.lookups is not None else \
+            self._propose(dev, num_b, cand)
+        props = Proposals(tokens, count)
+        h = runner.run(self.verify_pass, dev, source=tokens)
         logits = runner.head(self.verify_pass, h, dev[self.padded])  # [B * (k + 1), V]
         args = SamplingArgs.bind(self.verify_draws, dev)
         extra = None
         if self.verify_draws.penalties:
-            extra = (props.tokens.repeat_interleave(k + 1, 0), dev[self.earlier])
-        target = process(logits, args, candidates=cand, extra=extra)
-        u_accept = args.u(ACCEPT).view(num_b, k + 1)[:, :k]
-        result = verify(target, props, u_accept, args.u(DRAW).view(num_b, k + 1))
-        return _Done(result, logits, args, props, extra, k)
+            extra = (tokens.repeat_interleave(k + 1, 0), dev[self.earlier])
+        chosen = choose(logits, args, cand, extra=extra)  # [2, B * (k + 1)]
+        packed = torch.cat([verify(chosen, props),
+                            chosen.view(2, num_b, k + 1).transpose(0, 1).reshape(num_b, -1),
+                            tokens], 1)
+        return _Done(packed, logits, args, extra, k)
 
-    def _propose(self, dev, num_b: int, cand: int, count: torch.Tensor) -> Proposals:
-        """The draft passes, each fed the previous one's proposals on the device."""
+    def _propose(self, dev, num_b: int, cand: int) -> torch.Tensor:
+        """The draft passes, each fed the previous one's proposals on the device; [B, k]."""
         runner, k = self.runner, self.k
-        device = runner.device
-        tokens = torch.zeros(num_b, k, dtype=torch.int64, device=device)
-        prob = torch.ones(num_b, k, dtype=torch.float64, device=device)
-        sampled = any(not s.params.is_greedy for s in self.seqs)
-        if not sampled:
-            for rows_slot, pp, sp, j in self.drafts:
-                logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
-                args = SamplingArgs.bind(sp, dev)
-                tokens[:, j].index_copy_(0, dev[rows_slot], process(
-                    logits, args, candidates=cand).draw(args.u(DRAFT)))
-            return Proposals(tokens, count, prob)
-        # sampled sequences: keep each position's distribution for the residual
-        dt = torch.float64 if runner.model.config.dtype == "float64" else torch.float32
-        xs = torch.zeros(num_b, k, self.vocab, dtype=dt, device=device)
-        thr = torch.full((num_b, k), -math.inf, dtype=dt, device=device)
-        shift = torch.zeros(num_b, k, dtype=dt, device=device)
-        mass = torch.ones(num_b, k, dtype=torch.float64, device=device)
-        inv_t = torch.ones(num_b, dtype=dt, device=device)
+        tokens = torch.zeros(num_b, k, dtype=torch.int64, device=runner.device)
         for rows_slot, pp, sp, j in self.drafts:
             rows = dev[rows_slot]
             logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
@@ -298,44 +283,36 @@ class _StepPlan:
             if sp.penalties and j:
                 earlier = tokens[rows, :j]
                 extra = (earlier, torch.ones_like(earlier, dtype=torch.float32))
-            d = process(logits, args, candidates=cand, extra=extra)
-            drawn = d.draw(args.u(DRAFT))
-            tokens[:, j].index_copy_(0, rows, drawn)
-            prob[:, j].index_copy_(0, rows, d.prob(drawn))
-            xs[:, j].index_copy_(0, rows, d.x.to(dt))
-            if d.thr is not None:
-                thr[:, j].index_copy_(0, rows, d.thr.to(dt))
-            shift[:, j].index_copy_(0, rows, d.shift.to(dt))
-            if not sp.greedy_only:
-                mass[:, j].index_copy_(0, rows, d.mass)
-            if j == 0:
-                inv_t.index_copy_(0, rows, args.row(1, dt))
-        return Proposals(tokens, count, prob, xs, thr, shift, inv_t, mass)
+            # a proposal outside its nucleus (CPU's flag) is still a proposal: not redrawn
+            tokens[:, j].index_copy_(0, rows, choose(logits, args, cand, extra=extra)[0])
+        return tokens
 
 
 @dataclass
 class _Done:
     """A step's device results, kept until its download was read."""
 
-    result: torch.Tensor
+    packed: torch.Tensor
+    """[B, 4k + 5]: ``verify``'s [B, k + 3], the draws' tokens [B, k + 1] and flags
+    [B, k + 1], the proposals [B, k]."""
     logits: torch.Tensor
     args: SamplingArgs
-    props: Proposals
     extra: tuple[torch.Tensor, torch.Tensor] | None
     k: int
 
-    def again(self, seqs: np.ndarray) -> torch.Tensor:
-        """The verification of ``seqs`` once more, each nucleus over the whole vocabulary
-        (CPU: a second read of the device, for those sequences only)."""
-        k, device = self.k, self.logits.device
-        index = torch.from_numpy(seqs).to(device)
-        rows = (index[:, None] * (k + 1) + torch.arange(k + 1, device=device)).reshape(-1)
-        args = self.args.take(rows)
-        extra = None if self.extra is None else (self.extra[0][rows], self.extra[1][rows])
-        target = process(self.logits[rows], args, candidates=0, extra=extra)
-        n = len(seqs)
-        return verify(target, self.props.take(index),
-                      args.u(ACCEPT).view(n, k + 1)[:, :k], args.u(DRAW).view(n, k + 1))
+    def again(self, seqs: np.ndarray, packed: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``seqs``' verification with every flagged draw done again exactly (CPU: reads
+        the device again); ``packed`` is the step's download, ``counts`` the proposals
+        per sequence. Returns their rows of the result, [len(seqs), k + 3]."""
+        k = self.k
+        width = k + 1
+        draws = packed[:, k + 3:k + 3 + 2 * width].reshape(-1, 2, width)
+        first = draws.transpose(1, 0, 2).reshape(2, -1).copy()
+        mine = np.zeros_like(first[1])
+        mine.reshape(-1, width)[seqs] = 1
+        first[1] &= mine  # only the flagged sequences' draws
+        final = exact_rows(self.logits, self.args, first, extra=self.extra).reshape(-1, width)
+        return verify_on_host(packed[seqs, k + 3 + 2 * width:], counts[seqs], final[seqs])
 
 
 def _truncate(s: Request, tokens: list[int]) -> list[int]:

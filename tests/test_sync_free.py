@@ -187,14 +187,14 @@ def test_an_item_inside_attention_is_caught(model, monkeypatch):
 
 
 def test_a_tolist_and_a_boolean_index_in_sampling_are_caught(model, monkeypatch):
-    process = sampling.process
+    choose = sampling.choose
 
-    def leaky(logits, args, **kw):
+    def leaky(logits, args, *a, **kw):
         logits[logits > 1e9]  # a data-dependent shape
         logits.argmax(-1).tolist()  # a copy out
-        return process(logits, args, **kw)
+        return choose(logits, args, *a, **kw)
 
-    monkeypatch.setattr("decode_node.speculative.process", leaky)
+    monkeypatch.setattr("decode_node.speculative.choose", leaky)
     rec = one_step(decoding(model, [GREEDY] * 2, SpeculativeStep(2)))
     kinds = " ".join(rec.violations)
     assert "boolean index" in kinds and "Tensor.tolist" in kinds

@@ -25,16 +25,17 @@ __getattr__ = lazy_names(__name__, {
     "SamplingArgs": "common.model.sampling", "choose": "common.model.sampling",
     "exact_rows": "common.model.sampling", "candidates_for": "common.model.sampling",
     "process": "common.model.sampling", "DRAW": "common.model.sampling",
-    "DRAFT": "common.model.sampling", "ACCEPT": "common.model.sampling",
+    "REDRAW": "common.model.sampling",
     "Proposals": "common.model.rejection", "verify": "common.model.rejection",
+    "verify_on_host": "common.model.rejection",
     "seeded_tensors": "common.model.seeded",
     "TpModel": "common.model.tp", "shard_config": "common.model.tp"})
 
-__all__ = ["ACCEPT", "ARCHITECTURES", "AttentionBackend", "BatchItem", "CONFIGS", "DRAFT", "DRAW",
+__all__ = ["ARCHITECTURES", "AttentionBackend", "BatchItem", "CONFIGS", "DRAW", "REDRAW",
            "Detokenizer", "DevicePlan", "HostPlan", "Model", "ModelConfig", "ModelRunner",
            "PassPlan", "Proposals", "SamplingArgs", "Sourced", "StopStrings", "Tokenizer",
            "TorchAttention", "TpModel", "UnsupportedModel", "candidates_for",
            "checkpoint_tensors", "choose", "download", "exact_rows", "export_builtin",
            "generate_greedy", "get_config", "load_config", "load_weights", "plan_draws",
            "process", "sample", "seeded_tensors", "select_backend", "shard_config", "verify",
-           "weight_files", "write_builtin_tokenizer", "write_checkpoint"]
+           "verify_on_host", "weight_files", "write_builtin_tokenizer", "write_checkpoint"]

@@ -15,8 +15,8 @@ What a row draws from (``Dist``) is, in order, as vLLM defines it:
    of what is left (ties at its edge kept).
 
 A draw takes one uniform number, a pure function of the request's seed (or, without one,
-its label), its step and the draw's purpose (``DRAW``, a speculative ``DRAFT`` proposal,
-an ``ACCEPT`` test), computed on the host and uploaded with the step's plan; the token
+its label), its step and the draw's purpose (``DRAW``, or ``REDRAW`` for a draw done
+again), computed on the host and uploaded with the step's plan; the token
 is the inverse of the kept mass's cumulative sum (float64) at that number. A request's
 tokens therefore depend on its seed and steps only, never on its batch neighbours, and
 no draw uses a device random generator (CUDA graphs can replay a step).
@@ -46,9 +46,10 @@ import torch
 from common.model.plan import DevicePlan, HostPlan, Slot, download
 from common.request import Request, SamplingParams
 
-DRAW, DRAFT, ACCEPT, REDRAW = 0, 1, 2, 3
-"""Purposes of a uniform: a token drawn for the output, a draft's proposal, the test of
-a proposal (rejection sampling), an output token drawn again (``exact_rows``)."""
+DRAW, REDRAW = 0, 3
+"""Purposes of a uniform: a token drawn for the output (a speculative draft's proposal
+for a position uses the same number as the target's draw there), an output token drawn
+again (``exact_rows``)."""
 HISTOGRAM = -1
 """``candidates`` value for the CPU's top-p: a mass histogram, not sorted candidates."""
 CPU_CANDIDATES = HISTOGRAM
@@ -464,8 +465,10 @@ def _nucleus_edge(x: torch.Tensor, e: torch.Tensor, shift: torch.Tensor, inv_t: 
 
 # -- a step's draws, start to end -----------------------------------------------------------
 def choose(logits: torch.Tensor, args: SamplingArgs, candidates: int, purpose: int = DRAW,
-           reject: bool = True) -> torch.Tensor:
+           reject: bool = True, extra: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> torch.Tensor:
     """[2, N] int64: each draw's token and whether it must be drawn again (CPU only).
+    ``extra``: as ``process`` takes it.
 
     On CPU (``HISTOGRAM``) top-p rows draw by rejection: a token drawn from the row's
     distribution before top-p is kept when it is inside the nucleus (the mass of the
@@ -476,16 +479,16 @@ def choose(logits: torch.Tensor, args: SamplingArgs, candidates: int, purpose: i
     edge costs a sort or a histogram of every row.
     """
     if reject and candidates == HISTOGRAM and args.sp.top_p:
-        return _choose_by_rejection(logits, args, purpose)
-    d = process(logits, args, candidates=candidates)
+        return _choose_by_rejection(logits, args, purpose, extra)
+    d = process(logits, args, candidates=candidates, extra=extra)
     tokens = d.draw(args.u(purpose))
     flags = torch.zeros_like(tokens) if d.uncovered is None else d.uncovered.long()
     return torch.stack([tokens, flags])
 
 
-def _choose_by_rejection(logits: torch.Tensor, args: SamplingArgs, purpose: int
-                         ) -> torch.Tensor:
-    d = process(logits, args, candidates=HISTOGRAM, nucleus=False)
+def _choose_by_rejection(logits: torch.Tensor, args: SamplingArgs, purpose: int,
+                         extra: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    d = process(logits, args, candidates=HISTOGRAM, extra=extra, nucleus=False)
     w = d.weights()
     drawn, mass = draw_weighted(w, args.u(purpose), total=True)
     tokens = torch.where(d.greedy, d.top, drawn)
@@ -495,18 +498,21 @@ def _choose_by_rejection(logits: torch.Tensor, args: SamplingArgs, purpose: int
     return torch.stack([tokens, outside.long()])
 
 
-def exact_rows(logits: torch.Tensor, args: SamplingArgs, out: np.ndarray) -> np.ndarray:
+def exact_rows(logits: torch.Tensor, args: SamplingArgs, out: np.ndarray,
+               extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> np.ndarray:
     """``out`` ([2, N], as ``choose`` returned it, downloaded) with the marked draws drawn
     again, exactly, with fresh numbers: the nucleus's edge by the histogram, by a sort
-    where its edge bin was too full. Reads the device again; only on CPU."""
+    where its edge bin was too full. Reads the device again; only on CPU. ``extra``: as
+    ``choose`` took it."""
     tokens = out[0].copy()
     rows = np.flatnonzero(out[1])
     for candidates in (HISTOGRAM, 0):
         if not len(rows):
             break
         index = torch.from_numpy(rows).to(logits.device)
+        part = None if extra is None else (extra[0][index], extra[1][index])
         again = download(choose(logits[index], args.take(index), candidates, REDRAW,
-                                reject=False))
+                                reject=False, extra=part))
         tokens[rows] = again[0]
         rows = rows[np.flatnonzero(again[1])]
     return tokens
