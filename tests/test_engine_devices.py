@@ -17,10 +17,10 @@ import torch
 from common import KvCache
 from common.model import BatchItem, Model, ModelRunner, get_config
 from common.model.graphs import DecodeGraphs
+from common.node import PrefillEngine
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, plain_step
 from decode_node.speculative import SpeculativeStep
-from prefill_node.engine import PrefillEngine
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the GPU round)")
@@ -80,7 +80,7 @@ def sync_errors(monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    for where in ("decode_node.batch", "decode_node.speculative", "prefill_node.engine",
+    for where in ("decode_node.batch", "decode_node.speculative", "common.node.prefill_engine",
                   "common.model.sampling"):
         monkeypatch.setattr(f"{where}.download", download)
 

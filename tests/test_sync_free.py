@@ -19,11 +19,11 @@ import torch
 from common import KvCache
 from common.model import BatchItem, ModelRunner, sampling
 from common.model.attention import TorchAttention
+from common.node import PrefillEngine
 from common.request import Request, SamplingParams
 from decode_node.batch import DecodeBatch, plain_step
 from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
-from prefill_node.engine import PrefillEngine
 from tests.model_helpers import F64, prompt
 from tests.sync_recorder import SyncRecorder
 
@@ -75,7 +75,7 @@ def truncation(request, monkeypatch):
     a draw fell outside its nucleus and is drawn again."""
     monkeypatch.setattr(sampling, "CPU_CANDIDATES", request.param)
     monkeypatch.setattr(sampling, "candidates_for", lambda device: request.param)
-    for where in ("decode_node.batch", "decode_node.speculative", "prefill_node.engine",
+    for where in ("decode_node.batch", "decode_node.speculative", "common.node.prefill_engine",
                   "deploy.launch.colocated"):
         monkeypatch.setattr(f"{where}.candidates_for", lambda device: request.param)
     MODE["value"] = request.param

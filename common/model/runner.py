@@ -314,7 +314,8 @@ class ModelRunner:
         """``logits(run(...))`` of a planned pass; a padded decode pass through its CUDA
         graph (``common.model.graphs``)."""
         if pp.bucket is not None and self.graphs is not None:
-            return self.graphs.logits(self, pp, dev)[:len(pp.items)]
+            with self.around_pass():  # a replay is a pass too (``run`` nests in a capture)
+                return self.graphs.logits(self, pp, dev)[:len(pp.items)]
         return self.logits(pp, dev, self.run(pp, dev))
 
     @staticmethod
