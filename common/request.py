@@ -116,11 +116,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """More ids that end generation (included), e.g. every ``eos_token_id`` of a
     checkpoint's generation_config.json."""
+    min_p: float = 0.0
+    """When sampling: only tokens at least ``min_p`` times as likely as the most likely
+    one (after temperature); 0: all."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the request has generated (OpenAI's
+    presence penalty; vLLM's range [-2, 2]); greedy requests too."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the request generated it
+    (OpenAI's frequency penalty; [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Divides a positive logit, multiplies a negative one, of every token in the prompt
+    or generated so far (> 1 discourages repeats; vLLM's and transformers' definition;
+    1: off)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         allowed = {"max_new_tokens", "stop_token", "stop_token_ids", "temperature", "seed",
-                   "top_k", "top_p"}
+                   "top_k", "top_p", *OPTIONAL_FIELDS}
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise BadRequest(f"unknown sampling parameters {unknown}; allowed: "
@@ -143,15 +156,34 @@ class SamplingParams:
     def is_stop(self, token: int) -> bool:
         return token == self.stop_token or token in self.stop_token_ids
 
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the presence, frequency or repetition penalties is on."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
     def to_dict(self) -> dict:
-        """Plain fields; ``stop_token_ids`` (a list) and ``seed`` only when set."""
+        """Plain fields; ``stop_token_ids`` (a list), ``seed``, ``min_p`` and the penalties
+        only when set."""
         d = {"max_new_tokens": self.max_new_tokens, "stop_token": self.stop_token,
              "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         if self.stop_token_ids:
             d["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
             d["seed"] = self.seed
+        for name, off in OPTIONAL_FIELDS.items():
+            if getattr(self, name) != off:
+                d[name] = getattr(self, name)
         return d
+
+
+OPTIONAL_FIELDS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0}
+"""The fields past top_p, with the value that turns each off (left out of ``to_dict``)."""
 
 
 MAX_TEMPERATURE = 2.0
@@ -209,11 +241,31 @@ def validate(prompt: Sequence[int] | np.ndarray, params: SamplingParams, *, voca
         raise BadRequest(f"top_k={params.top_k!r}; allowed: -1 or 0 (all tokens) or >= 1",
                          param="top_k")
     p = params.top_p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or \
-            not 0 < p <= 1:
+    if not _is_number(p) or not 0 < p <= 1:
         raise BadRequest(f"top_p={p!r}; allowed: a number in (0, 1] (1 = all tokens)",
                          param="top_p")
+    _check_penalties(params)
     return dataclasses.replace(params, temperature=0.0) if t < GREEDY_BELOW else params
+
+
+def _is_number(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _check_penalties(params: SamplingParams) -> None:
+    """min_p and the penalties, in vLLM's ranges."""
+    if not _is_number(params.min_p) or not 0 <= params.min_p <= 1:
+        raise BadRequest(f"min_p={params.min_p!r}; allowed: a number in [0, 1] (0 = off)",
+                         param="min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(params, name)
+        if not _is_number(v) or not -2 <= v <= 2:
+            raise BadRequest(f"{name}={v!r}; allowed: a number in [-2, 2] (0 = off)",
+                             param=name)
+    r = params.repetition_penalty
+    if not _is_number(r) or not r > 0:
+        raise BadRequest(f"repetition_penalty={r!r}; allowed: a number > 0 (1 = off)",
+                         param="repetition_penalty")
 
 
 @dataclass(eq=False)

@@ -12,9 +12,13 @@ Row of a running sequence (P = prompt length, G = tokens generated so far)::
     [P, P + G - 1)    KV of generated tokens 0 .. G-2
     token G-1         the newest token: no KV yet, it is the next step's input
 
-``StepFn`` is the seam for speculative decoding: ``greedy_step`` extends each row by one
+``StepFn`` is the seam for speculative decoding: ``plain_step`` extends each row by one
 slot and returns one token per sequence; a speculative step may extend by k lookahead
 slots, commit only verified tokens and return several tokens.
+
+A step waits for the device once: its plan (token ids, page tables, sampling
+parameters) goes up in one copy, the forward pass and every sequence's draw run on the
+device, and the chosen ids come down in one copy (``common.model.plan``).
 """
 
 from __future__ import annotations
@@ -22,8 +26,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+
 from common.kv import KvCache, KvRecord, ceil_align
-from common.model import BatchItem, ModelRunner, sample
+from common.model import (
+    BatchItem,
+    HostPlan,
+    ModelRunner,
+    SamplingArgs,
+    candidates_for,
+    choose,
+    download,
+    exact_rows,
+    plan_draws,
+)
 from common.request import Request
 
 logger = logging.getLogger(__name__)
@@ -33,18 +49,29 @@ StepFn = Callable[[ModelRunner, list[Request]], list[list[int]]]
 """Runs one decode step over the sequences; returns the new tokens of each."""
 
 
-def greedy_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
-    """One token per sequence: write the newest token's KV, sample the next."""
+@torch.inference_mode()
+def plain_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
+    """One token per sequence, greedy or sampled by its params: write the newest token's
+    KV, draw the next."""
     cache = runner.cache
     for s in seqs:
         assert s.kv.allocated_len == s.next_position, (s.rid, s.kv, s.next_position)
         cache.extend(s.kv, 1)
-    logits = runner.forward([BatchItem(s.kv, s.output[-1:], s.next_position) for s in seqs])
+    host = HostPlan(runner.device)
+    pp = runner.plan(host, [BatchItem(s.kv, s.output[-1:], s.next_position) for s in seqs])
+    sp = plan_draws(host, seqs, runner.model.config.vocab_size)
+    dev = host.upload()
+    logits = runner.step_logits(pp, dev)  # a CUDA graph's replay where one is captured
+    args = SamplingArgs.bind(sp, dev)
+    tokens = exact_rows(logits, args, download(choose(logits, args,
+                                                      candidates_for(runner.device))))
     for s in seqs:
         cache.commit(s.kv, 1)
-    tokens = sample(logits, [s.params for s in seqs], [s.label for s in seqs],
-                    [s.sample_step for s in seqs])
-    return [[t] for t in tokens]
+    return [[int(t)] for t in tokens]
+
+
+greedy_step = plain_step
+"""The step's name from before it sampled on the device (kept for callers)."""
 
 
 def finish_ranges(kv: KvRecord, page_size: int) -> list[tuple[int, int]]:
@@ -67,12 +94,12 @@ class DecodeBatch:
 
     Args:
         runner: the model runner over the worker's cache.
-        step_fn: the step to run (``greedy_step``; speculative decoding swaps it).
+        step_fn: the step to run (``plain_step``; speculative decoding swaps it).
         on_commit: called with the sequences after each step, once their committed KV
             grew (the host-tier offload seam); None for no hook.
     """
 
-    def __init__(self, runner: ModelRunner, step_fn: StepFn = greedy_step,
+    def __init__(self, runner: ModelRunner, step_fn: StepFn = plain_step,
                  on_commit: Callable[[list[Request]], None] | None = None) -> None:
         self.runner = runner
         self.cache: KvCache = runner.cache

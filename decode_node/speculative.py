@@ -1,14 +1,26 @@
-"""Greedy self-speculative decoding over a continuous batch (a ``StepFn``).
+"""Self-speculative decoding over a continuous batch (a ``StepFn``), greedy and sampled,
+with the device read once per step.
 
 Each step, for every running sequence (p = row position of its newest token, which has
 no KV yet, so ``committed_len == p`` on entry):
 
 1. the draft catches up: it runs the committed tokens whose draft KV it lacks (the newest
    token, and tokens accepted in the last step that it never ran), then proposes k tokens
-   autoregressively, batched over the sequences (draft layers of the same row);
-2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one ``forward_all``;
-3. greedy acceptance: take proposals while they equal the target's argmax, then the
-   target's own token. Tokens past ``max_new_tokens`` or past a stop token are cut off.
+   autoregressively, batched over the sequences (draft layers of the same row): each
+   proposal is the draft's own draw under the sequence's sampling parameters (greedy:
+   its most likely token), with the number the target's draw at that position uses;
+2. the target verifies ``[newest] + proposals`` (k + 1 positions) in one pass and draws
+   at each position as a plain step would there;
+3. acceptance (``common.model.rejection``): proposals are taken while they equal the
+   target's draws, then the target's own draw. Every token is the one plain decoding
+   emits at its output index, so a seeded request's tokens never depend on where its
+   steps begin (a move to another decode, a step without lookahead). Tokens past
+   ``max_new_tokens`` or past a stop token are cut off.
+
+All of it is planned on the host before it runs: the draft passes' positions and the
+verification's are known, and only their token ids come from the device (the previous
+pass's proposals, ``Sourced``). The step's plan goes up in one copy and its result (each
+sequence's accepted count and tokens) comes down in one copy.
 
 Row of one sequence during a step (k = 3, 2 proposals accepted)::
 
@@ -36,15 +48,30 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from common.config import ServeConfig
 from common.kv import KvCache, OutOfPages
-from common.model import BatchItem, ModelRunner
+from common.model import (
+    DRAW,
+    BatchItem,
+    HostPlan,
+    ModelRunner,
+    Proposals,
+    SamplingArgs,
+    Sourced,
+    candidates_for,
+    choose,
+    download,
+    exact_rows,
+    plan_draws,
+    verify,
+    verify_on_host,
+)
 from common.request import Request
-from decode_node.batch import StepFn, greedy_step
+from decode_node.batch import StepFn, plain_step
 from decode_node.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -91,36 +118,41 @@ class SpeculativeStep:
         ngram: propose by n-gram lookup in each request's own tokens instead of running a
             draft model.
 
-    Greedy only (``temperature == 0``); with a draft model the cache must hold its
-    layers. Not thread-safe (one per decode batch).
+    Greedy and sampled sequences alike (see the module doc); with a draft model the cache
+    must hold its layers. Not thread-safe (one per decode batch).
     """
 
     def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
         if k < 1:
-            raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use greedy_step for 0)")
+            raise ValueError(f"SpeculativeStep k={k} must be >= 1 (use plain_step for 0)")
         self.k, self.ngram = k, ngram
         self.stats = SpecStats()
 
+    @torch.inference_mode()
     def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
         """One speculative step; returns each sequence's new tokens (1 to k + 1)."""
         for s in seqs:
-            if s.params.temperature != 0:
-                raise ValueError(f"{s.rid}: speculative decoding is greedy only "
-                                 f"(temperature={s.params.temperature}); use greedy_step")
             assert s.kv.committed_len == s.next_position, (s.rid, s.kv, s.next_position)
         ks = [self._make_room(runner, s) for s in seqs]
-        proposals = self._propose(runner, seqs, ks)
-        verify = runner.forward_all([BatchItem(s.kv, s.output[-1:] + props, s.next_position)
-                                     for s, props in zip(seqs, proposals)])
-        # every sequence's verified ids reach the host in one copy (one device sync)
-        ids = torch.cat(verify).argmax(-1).tolist()
-        starts = accumulate((len(logits) for logits in verify), initial=0)
-        out = [self._accept(runner.cache, s, props, ids[start:start + len(logits)])
-               for s, props, logits, start in zip(seqs, proposals, verify, starts)]
+        lookups = None
+        if self.ngram is not None:
+            lookups = [self.ngram.propose(s.prompt + s.output, k_s) for s, k_s in zip(seqs, ks)]
+            ks = [len(p) for p in lookups]
+        plan = _StepPlan(runner, seqs, ks, lookups)
+        dev = plan.host.upload()
+        done = plan.run(dev)
+        # [B, k + 3] result, then the draws and their flags, then the proposals: the
+        # step's one read of the device
+        packed = download(done.packed)
+        out = packed[:, :done.k + 3]
+        flagged = np.flatnonzero(out[:, -1])
+        if len(flagged):  # CPU only: draws outside their nucleus, drawn again exactly
+            out[flagged] = done.again(flagged, packed, np.asarray(ks, np.int64))
         self.stats.num_steps += 1
-        return out
+        return [self._accept(runner.cache, s, int(row[0]), row[1:-1], k_s)
+                for s, row, k_s in zip(seqs, out, ks)]
 
-    # -- the three phases ---------------------------------------------------------------
+    # -- the host's parts ---------------------------------------------------------------
     def _make_room(self, runner: ModelRunner, s: Request) -> int:
         """Extend the row so positions [p, p + k_s + 1) have slots; returns k_s.
 
@@ -138,50 +170,149 @@ class SpeculativeStep:
             cache.extend(s.kv, max(0, p + 1 - s.kv.allocated_len))
         return k_s
 
-    def _propose(self, runner: ModelRunner, seqs: list[Request], ks: list[int]
-                 ) -> list[list[int]]:
-        """Draft proposals, k_s per sequence; pass j batches the sequences with k_s > j."""
-        if self.ngram is not None:
-            return [self.ngram.propose(s.prompt + s.output, k_s) for s, k_s in zip(seqs, ks)]
-        proposals: list[list[int]] = [[] for _ in seqs]
-        for j in range(max(ks, default=0)):
-            idx = [i for i, k_s in enumerate(ks) if k_s > j]
-            items = [self._draft_item(seqs[i], proposals[i], j) for i in idx]
-            next_ids = runner.forward(items, draft=True).argmax(-1).tolist()
-            for i, t in zip(idx, next_ids):
-                proposals[i].append(int(t))
-        return proposals
-
-    def _draft_item(self, s: Request, props: list[int], j: int) -> BatchItem:
-        if j:
-            return BatchItem(s.kv, props[-1:], s.next_position + j)
-        # Catch up from the first position without valid draft KV up to the newest token.
-        start = s.num_draft_valid
-        return BatchItem(s.kv, s.output[start - s.prompt_len:], start)
-
-    def _accept(self, cache: KvCache, s: Request, props: list[int], greedy: list[int]
-                ) -> list[int]:
-        """Greedy acceptance, truncation at the request's end, commit of verified KV."""
-        a = 0
-        while a < len(props) and props[a] == greedy[a]:
-            a += 1
-        tokens = _truncate(s, props[:a] + [greedy[a]])
+    def _accept(self, cache: KvCache, s: Request, accepted: int, slots: np.ndarray,
+                k_s: int) -> list[int]:
+        """Truncation at the request's end, commit of verified KV, draft bookkeeping."""
+        tokens = _truncate(s, [int(t) for t in slots[:accepted + 1]])
         # Positions [p, p + len(tokens)) now hold verified KV: the newest token's and the
         # accepted proposals' (the last emitted token gets its KV next step).
         cache.commit(s.kv, len(tokens))
         p = s.next_position
         if self.ngram is None:
-            if props:
+            if k_s:
                 # the draft ran positions [valid_len, p + k_s - 1]; those up to p + a hold
-                valid = p + min(a, len(props) - 1) + 1  # committed tokens
+                valid = p + min(accepted, k_s - 1) + 1  # committed tokens
                 s.num_draft_valid = min(valid, s.kv.committed_len)
             s.draft_lag = s.kv.committed_len - s.num_draft_valid
         st = self.stats
         st.num_seq_steps += 1
-        st.num_proposed += len(props)
-        st.num_accepted += a
+        st.num_proposed += k_s
+        st.num_accepted += accepted
         st.num_emitted += len(tokens)
         return tokens
+
+
+class _StepPlan:
+    """One speculative step planned on the host: its draft passes, its verification and
+    their draws, in one ``HostPlan``."""
+
+    def __init__(self, runner: ModelRunner, seqs: list[Request], ks: list[int],
+                 lookups: list[list[int]] | None) -> None:
+        self.runner, self.seqs, self.ks = runner, seqs, ks
+        self.k = k = max(ks)
+        self.vocab = runner.model.config.vocab_size
+        self.host = host = HostPlan(runner.device)
+        self.count = host.add(np.asarray(ks, np.int64))
+        self.lookups = None if lookups is None else host.add(
+            np.array([p + [0] * (k - len(p)) for p in lookups], np.int64).reshape(len(seqs), k))
+        self.drafts = [] if lookups is not None else [self._draft_pass(j) for j in range(k)]
+        self._verify_pass()
+
+    def _draft_pass(self, j: int) -> tuple:
+        """Pass j of the draft: who takes part, its plan, its draws."""
+        runner, seqs, k = self.runner, self.seqs, self.k
+        rows = [i for i, k_s in enumerate(self.ks) if k_s > j]
+        if j == 0:  # catch up from the first position without draft KV to the newest token
+            items = [BatchItem(seqs[i].kv, seqs[i].output[seqs[i].num_draft_valid
+                                                          - seqs[i].prompt_len:],
+                               seqs[i].num_draft_valid) for i in rows]
+            sourced = None
+        else:  # the previous proposal, from the device
+            items = [BatchItem(seqs[i].kv, [0], seqs[i].next_position + j) for i in rows]
+            sourced = Sourced(np.arange(len(rows)), np.asarray(rows) * k + j - 1)
+        pp = runner.plan(self.host, items, draft=True, sourced=sourced)
+        # the number of the target's draw at this position: coupled draws agree often
+        sp = plan_draws(self.host, [seqs[i] for i in rows], self.vocab,
+                        rows=[(n, j) for n in range(len(rows))], purposes=(DRAW,))
+        return self.host.add(np.asarray(rows, np.int64)), pp, sp, j
+
+    def _verify_pass(self) -> None:
+        """The target over [newest] + proposals, its draws padded to k + 1 per sequence."""
+        seqs, ks, k = self.seqs, self.ks, self.k
+        items = [BatchItem(s.kv, s.output[-1:] + [0] * k_s, s.next_position)
+                 for s, k_s in zip(seqs, ks)]
+        lengths = np.asarray(ks, np.int64) + 1
+        firsts = np.cumsum(lengths) - lengths
+        dest = np.concatenate([f + 1 + np.arange(k_s) for f, k_s in zip(firsts, ks)] or
+                              [np.zeros(0, np.int64)])
+        src = np.concatenate([i * k + np.arange(k_s) for i, k_s in enumerate(ks)] or
+                             [np.zeros(0, np.int64)])
+        self.verify_pass = self.runner.plan(self.host, items, sourced=Sourced(dest, src))
+        j = np.arange(k + 1)
+        # row b * (k + 1) + j: position j of sequence b (past its proposals: its last)
+        self.padded = self.host.add((firsts[:, None] + np.minimum(j, lengths[:, None] - 1)
+                                     ).reshape(-1))
+        self.verify_draws = plan_draws(self.host, seqs, self.vocab,
+                                       rows=[(b, jj) for b in range(len(seqs))
+                                             for jj in range(k + 1)])
+        if self.verify_draws.penalties:  # position j counts proposals 0 .. j - 1
+            earlier = (np.arange(k)[None, None, :] < j[None, :, None]) & \
+                (np.arange(k)[None, None, :] < np.asarray(ks)[:, None, None])
+            self.earlier = self.host.add(earlier.reshape(len(seqs) * (k + 1), k)
+                                         .astype(np.float32))  # k = 0: no proposals
+
+    # -- the device's part ----------------------------------------------------------------
+    def run(self, dev) -> _Done:
+        runner, k, num_b = self.runner, self.k, len(self.seqs)
+        cand = candidates_for(runner.device)
+        count = dev[self.count]
+        tokens = dev[self.lookups] if self.lookups is not None else \
+            self._propose(dev, num_b, cand)
+        props = Proposals(tokens, count)
+        h = runner.run(self.verify_pass, dev, source=tokens)
+        logits = runner.head(self.verify_pass, h, dev[self.padded])  # [B * (k + 1), V]
+        args = SamplingArgs.bind(self.verify_draws, dev)
+        extra = None
+        if self.verify_draws.penalties:
+            extra = (tokens.repeat_interleave(k + 1, 0), dev[self.earlier])
+        chosen = choose(logits, args, cand, extra=extra)  # [2, B * (k + 1)]
+        packed = torch.cat([verify(chosen, props),
+                            chosen.view(2, num_b, k + 1).transpose(0, 1).reshape(num_b, -1),
+                            tokens], 1)
+        return _Done(packed, logits, args, extra, k)
+
+    def _propose(self, dev, num_b: int, cand: int) -> torch.Tensor:
+        """The draft passes, each fed the previous one's proposals on the device; [B, k]."""
+        runner, k = self.runner, self.k
+        tokens = torch.zeros(num_b, k, dtype=torch.int64, device=runner.device)
+        for rows_slot, pp, sp, j in self.drafts:
+            rows = dev[rows_slot]
+            logits = runner.logits(pp, dev, runner.run(pp, dev, source=tokens))
+            args = SamplingArgs.bind(sp, dev)
+            extra = None
+            if sp.penalties and j:
+                earlier = tokens[rows, :j]
+                extra = (earlier, torch.ones_like(earlier, dtype=torch.float32))
+            # a proposal outside its nucleus (CPU's flag) is still a proposal: not redrawn
+            tokens[:, j].index_copy_(0, rows, choose(logits, args, cand, extra=extra)[0])
+        return tokens
+
+
+@dataclass
+class _Done:
+    """A step's device results, kept until its download was read."""
+
+    packed: torch.Tensor
+    """[B, 4k + 5]: ``verify``'s [B, k + 3], the draws' tokens [B, k + 1] and flags
+    [B, k + 1], the proposals [B, k]."""
+    logits: torch.Tensor
+    args: SamplingArgs
+    extra: tuple[torch.Tensor, torch.Tensor] | None
+    k: int
+
+    def again(self, seqs: np.ndarray, packed: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``seqs``' verification with every flagged draw done again exactly (CPU: reads
+        the device again); ``packed`` is the step's download, ``counts`` the proposals
+        per sequence. Returns their rows of the result, [len(seqs), k + 3]."""
+        k = self.k
+        width = k + 1
+        draws = packed[:, k + 3:k + 3 + 2 * width].reshape(-1, 2, width)
+        first = draws.transpose(1, 0, 2).reshape(2, -1).copy()
+        mine = np.zeros_like(first[1])
+        mine.reshape(-1, width)[seqs] = 1
+        first[1] &= mine  # only the flagged sequences' draws
+        final = exact_rows(self.logits, self.args, first, extra=self.extra).reshape(-1, width)
+        return verify_on_host(packed[seqs, k + 3 + 2 * width:], counts[seqs], final[seqs])
 
 
 def _truncate(s: Request, tokens: list[int]) -> list[int]:
@@ -191,39 +322,19 @@ def _truncate(s: Request, tokens: list[int]) -> list[int]:
     return tokens if hit is None else tokens[:hit + 1]
 
 
-class MixedStep:
-    """Speculation for greedy sequences, one sampled token for the others, in one step.
-
-    Args:
-        k: draft tokens per greedy sequence per step (>= 1).
-        ngram: n-gram lookup instead of a draft model (see ``SpeculativeStep``).
-
-    Sequences with ``temperature > 0`` run ``greedy_step`` (which samples by their params)
-    in a second forward pass, so one sampled request never fails a speculative batch.
-    """
-
-    def __init__(self, k: int, ngram: NgramProposer | None = None) -> None:
-        self.spec = SpeculativeStep(k, ngram)
-        self.stats = self.spec.stats
-
-    def __call__(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
-        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-        other = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
-        out: list[list[int]] = [[] for _ in seqs]
-        for part, fn in ((greedy, self.spec), (other, greedy_step)):
-            if part:
-                for i, toks in zip(part, fn(runner, [seqs[i] for i in part])):
-                    out[i] = toks
-        return out
+MixedStep = SpeculativeStep
+"""Its name from when sampled sequences ran a plain step beside it (kept for callers)."""
 
 
 def make_step(cfg: ServeConfig) -> StepFn:
-    """The step of ``cfg.spec_kind``: ``MixedStep(spec_k)`` with a draft model (a draft
-    checkpoint or the model's own layers) or n-gram lookup; ``greedy_step`` without."""
+    """The step of ``cfg.spec_kind``: ``SpeculativeStep(spec_k)`` with a draft model (a
+    draft checkpoint or the model's own layers) or n-gram lookup; ``plain_step``
+    without."""
     kind = cfg.spec_kind
     if not kind:
-        return greedy_step
-    return MixedStep(cfg.spec_k, NgramProposer(cfg.spec_ngram) if kind == "ngram" else None)
+        return plain_step
+    return SpeculativeStep(cfg.spec_k, NgramProposer(cfg.spec_ngram) if kind == "ngram"
+                           else None)
 
 
 def spec_stats(step: StepFn) -> dict:

@@ -25,7 +25,7 @@ class DraftWatchingRunner(ModelRunner):
         super().__init__(runner.model, runner.cache, runner.draft)
         self.link, self.heard_at_draft = link, []
 
-    def forward(self, items, draft: bool = False):
-        if draft:
+    def run(self, pp, dev, source=None):
+        if pp.draft:
             self.heard_at_draft.append([m.rid for m in self.link.tokens() if m.first])
-        return super().forward(items, draft=draft)
+        return super().run(pp, dev, source)

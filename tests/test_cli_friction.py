@@ -226,7 +226,8 @@ def test_attached_summary_text_says_n_a():
 
 
 @pytest.mark.parametrize("module", ["benchmarks.allocator", "benchmarks.replay",
-                                    "benchmarks.serve", "benchmarks.transfer"])
+                                    "benchmarks.serve", "benchmarks.transfer",
+                                    "benchmarks.sampling", "benchmarks.step"])
 def test_every_bench_module_runs_with_python_m(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -43,6 +43,9 @@ CFG = ServeConfig(dtype="float64", page_size=4, prefill_pages=160, decode_pages=
                   debug_integrity=True)
 LOAD = WorkloadSpec(requests=16, seed=11, rate=0.0, prompt_len=(8, 48), output_len=(20, 28))
 """16 streams at once."""
+FRESH = WorkloadSpec(requests=16, seed=13, rate=0.0, prompt_len=(8, 48), output_len=(20, 28))
+"""16 streams whose prompts no worker has seen: a prefill killed mid-round still computes
+some (LOAD's prompts come back from the host tier within milliseconds)."""
 LONG = WorkloadSpec(requests=16, seed=12, rate=0.0, prompt_len=(8, 48), output_len=(60, 80))
 """16 longer streams: a drained decode still holds some when its drain_timeout_s ends."""
 
@@ -180,7 +183,7 @@ def test_a_worker_killed_or_stopped_under_load_loses_no_request(start, reference
     prefill0 = _proc(cluster, "prefill0")
     kill = Once(lambda res: sum(bool(r.output_ids) for r in res.values()) >= 3,
                 lambda: _kill_group(prefill0.popen.pid))
-    results = _serve(cluster, reference, kill)
+    results = _serve(cluster, _reference(FRESH), kill, spec=FRESH)
     assert kill.at and _migrated(results) > 0
     assert re.search(r"prefill0 \(prefill, pid \d+\) lost: its connection closed",
                      router_log.read_text())

@@ -21,6 +21,7 @@ import re
 import httpx
 import openai
 import pytest
+import torch
 
 from common.auth import Keys, create_keys
 from common.control import Done, Error, pack_ids
@@ -264,14 +265,59 @@ def test_a_field_that_would_change_the_output_is_never_ignored(serve):
         assert out.usage.completion_tokens == 4
         for name, value in (("repetition_penalty", 1.3), ("presence_penalty", 0.5),
                             ("frequency_penalty", 0.5), ("min_p", 0.2)):
-            if name in SAMPLING:   # the sampler serves it: it must take effect
-                continue
+            assert name in SAMPLING, name   # the sampler serves it (its effect: below)
+            out = oai.completions.create(model="tiny", prompt=[5] * 8, max_tokens=4,
+                                         extra_body={name: value, "ignore_eos": True})
+            assert out.usage.completion_tokens == 4, name
+        for name, value in (("repetition_penalty", 0), ("presence_penalty", 2.5),
+                            ("frequency_penalty", -3), ("min_p", 1.5)):
             with pytest.raises(openai.BadRequestError, match=f"{name}={value}") as exc:
                 oai.completions.create(model="tiny", prompt=[5] * 8, max_tokens=4,
                                        extra_body={name: value})
             assert exc.value.body["param"] == name
     finally:
         oai.close()
+
+
+def _penalised_greedy(model: Model, p: list[int], n: int, presence: float, frequency: float,
+                      repetition: float) -> list[int]:
+    """Greedy decoding with vLLM's penalties written out on the host, a dense forward of
+    the whole sequence per token (float64): the reference for the served sampler."""
+    out: list[int] = []
+    for _ in range(n):
+        x = model.forward_dense(p + out)[-1].double().clone()
+        seen = torch.tensor(sorted(set(p) | set(out)), dtype=torch.int64)
+        x[seen] = torch.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64),
+                                minlength=len(x)).double()
+        x -= frequency * counts + presence * (counts > 0).double()
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_penalties_and_min_p_take_effect_through_the_front_door(serve, model):
+    """vLLM's penalties and min_p, sent over HTTP, reach the workers' device sampler:
+    greedy with all three penalties equals a host-side reference (and differs from plain
+    greedy), and a seeded draw at temperature 1 with min_p 1 (only the most likely token
+    kept) is greedy decoding."""
+    url, _ = serve
+    p = prompt(12, seed=41)
+    n = 16
+
+    def tokens(**body) -> list[int]:
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": p, "max_tokens": n, "ignore_eos": True, "return_token_ids": True,
+            **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    plain = generate_greedy(model, [p], n, page_size=4)[0]
+    penalties = {"presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.5}
+    want = _penalised_greedy(model, p, n, 0.4, 0.3, 1.5)
+    assert want != plain   # the penalties change this output: the check can fail
+    assert tokens(temperature=0, **penalties) == want
+    assert tokens(temperature=1.0, min_p=1.0, seed=3) == plain
+    assert tokens(temperature=1.0, seed=3) != plain   # without min_p the draw is not greedy
 
 
 def test_stop_token_ids_and_prompt_ids_round_trip_through_both_paths(serve, model):

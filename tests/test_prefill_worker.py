@@ -228,11 +228,11 @@ class _FailingRunner(ModelRunner):
 
     fail = True
 
-    def forward(self, *args, **kwargs):
+    def run(self, *args, **kwargs):
         if self.fail:
             self.fail = False
             raise RuntimeError("device lost")
-        return super().forward(*args, **kwargs)
+        return super().run(*args, **kwargs)
 
 
 def test_a_failing_prefill_pass_fails_its_requests_alone(prefill, tmp_path):

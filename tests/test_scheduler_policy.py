@@ -36,15 +36,16 @@ CFG = ServeConfig(dtype="float64", page_size=4, decode_pages=64, chunk_size=8,
 
 
 class ItemWatchingRunner(ModelRunner):
-    """``runner``'s model and pool; notes each forward's items as (row, start, tokens)."""
+    """``runner``'s model and pool; notes each pass's items as (row, start, tokens) as it
+    is planned (every pass is: ``forward`` and the steps' one-upload plans alike)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner.model, runner.cache, runner.draft)
         self.passes: list[list[tuple[int, int, int]]] = []
 
-    def forward(self, items, draft: bool = False):
-        self.passes.append([(it.kv.row, it.start, it.num_tokens) for it in items])
-        return super().forward(items, draft=draft)
+    def plan(self, host, batch, *, draft: bool = False, sourced=None):
+        self.passes.append([(it.kv.row, it.start, it.num_tokens) for it in batch])
+        return super().plan(host, batch, draft=draft, sourced=sourced)
 
 
 def _worker(tmp_path, cfg: ServeConfig) -> tuple[ColocatedWorker, FakeLink]:

@@ -1,4 +1,5 @@
-"""Speculative decoding over a continuous batch reproduces greedy reference output exactly.
+"""Speculative decoding over a continuous batch reproduces greedy reference output exactly,
+and seeded sampled output exactly as plain steps sample it.
 
 Stories at float64 on CPU: sequences of different lengths join and leave a ``DecodeBatch``
 driven by ``SpeculativeStep``; at finish every row is freed with ``finish_ranges`` (the
@@ -7,14 +8,17 @@ committed part and the lookahead tail in one call), and the recorded free log re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common import KvCache
 from common.freelog import FreeLogReader, replay_file
 from common.kv import ceil_align, ceil_div
-from common.model import BatchItem, Model, ModelRunner, generate_greedy
+from common.model import BatchItem, Model, ModelRunner, generate_greedy, sample
 from common.request import Request, SamplingParams
-from decode_node.batch import DecodeBatch, finish_ranges
+from decode_node.batch import DecodeBatch, finish_ranges, plain_step
+from decode_node.ngram import NgramProposer
 from decode_node.speculative import SpeculativeStep
 from tests.model_helpers import F64, prompt
 
@@ -160,10 +164,83 @@ def test_reused_lookahead_slots_are_rewritten_exactly(model, tmp_path):
     h.close_and_replay()
 
 
-def test_rejects_sampling_and_k_zero(model, tmp_path):
+def test_rejects_k_zero_and_speculates_for_sampled_requests_too(model, tmp_path):
     with pytest.raises(ValueError, match="k=0 must be >= 1"):
         SpeculativeStep(0)
     h = Harness(model, tmp_path, 4, k=2)
-    h.join("r", prompt(5, seed=1), SamplingParams(max_new_tokens=5, temperature=0.5))
-    with pytest.raises(ValueError, match="greedy only"):
-        h.run_step()
+    h.join("r", prompt(5, seed=1), SamplingParams(max_new_tokens=9, temperature=0.5, seed=3))
+    h.drain()  # sampled sequences speculate too (tests/test_rejection.py)
+    assert len(h.outputs["r"]) == 9 and h.step.stats.num_proposed > 0
+    h.close_and_replay()
+
+
+@pytest.mark.parametrize("ngram", [False, True])
+def test_penalised_greedy_speculation_equals_a_plain_penalised_step(model, tmp_path, ngram):
+    """Greedy with vLLM's penalties: each verified position counts the proposals before
+    it, so speculation emits what plain steps emit. With n-gram lookup most steps propose
+    nothing (k = 0 for the whole batch), which the penalties' bookkeeping must allow."""
+    params = SamplingParams(max_new_tokens=12, presence_penalty=0.5, frequency_penalty=0.4,
+                            repetition_penalty=1.4)
+    prompts = {"a": prompt(7, seed=4), "b": prompt(11, seed=5) * 2}
+    outputs = {}
+    for name, step in (("plain", plain_step),
+                       ("spec", SpeculativeStep(3, NgramProposer(3) if ngram else None))):
+        h = Harness(model, tmp_path / name, 4, k=3)
+        h.step = step
+        h.batch = DecodeBatch(h.runner, step)
+        for rid, p in prompts.items():
+            h.join(rid, p, params)
+        h.drain()
+        outputs[name] = h.outputs
+        h.close_and_replay()
+    assert outputs["spec"] == outputs["plain"]
+    plain = {rid: generate_greedy(model, [p], 12)[0] for rid, p in prompts.items()}
+    assert outputs["plain"] != plain   # the penalties change these outputs
+
+
+def _join_drawn(h: Harness, rid: str, tokens: list[int], params: SamplingParams,
+                num_prior: int = 0) -> None:
+    """As a prefill hands a request over: target and draft KV of ``tokens``, the first
+    token drawn by ``params`` at step ``num_prior`` (a moved request's prompt ends with
+    the ``num_prior`` tokens it already emitted)."""
+    kv = h.cache.open_row(rid)
+    h.cache.extend(kv, len(tokens))
+    item = BatchItem(kv, tokens, 0)
+    logits = h.runner.forward([item])
+    h.runner.forward([item], draft=True)
+    h.cache.commit(kv, len(tokens))
+    first = sample(logits, [params], [rid], [num_prior],
+                   history=[(tokens, tokens[len(tokens) - num_prior:])])[0]
+    assert h.batch.add(Request(rid, tokens, params, kv=kv, output=[first],
+                               num_computed=len(tokens), num_prior=num_prior))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=24, temperature=0.8, seed=3),
+    SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, top_k=40, min_p=0.02,
+                   seed=7, presence_penalty=0.3, repetition_penalty=1.2)],
+    ids=["plain", "truncated+penalised"])
+def test_sampled_speculation_emits_plain_sampling_tokens_wherever_its_steps_begin(
+        model, tmp_path, params):
+    """Seeded sampled requests: speculation (the model's first layer as the draft) emits
+    exactly the tokens plain steps draw, and a request moved after any number of tokens
+    (re-prefilled with them, its first token drawn there) goes on with the same tokens.
+    Rejection sampling emitted other tokens once a step began at another output index."""
+    p = prompt(9, seed=8)
+    outs = {}
+    for name, step in (("plain", plain_step), ("spec", SpeculativeStep(3))):
+        h = Harness(model, tmp_path / name, 4, k=3)
+        h.step, h.batch = step, DecodeBatch(h.runner, step)
+        _join_drawn(h, "r", p, params)
+        h.drain()
+        outs[name] = h.outputs["r"]
+        h.close_and_replay()
+    want = outs["plain"]
+    assert len(want) == 24 and outs["spec"] == want
+    for n in (1, 2, 5, 11):
+        h = Harness(model, tmp_path / f"moved{n}", 4, k=3)
+        _join_drawn(h, "r", p + want[:n], replace(params, max_new_tokens=24 - n), n)
+        h.drain()
+        assert want[:n] + h.outputs["r"] == want, n
+        assert h.step.stats.num_accepted > 0
+        h.close_and_replay()

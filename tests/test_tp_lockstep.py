@@ -81,7 +81,8 @@ def test_a_follower_whose_pages_differ_stops_before_computing(tmp_path, model):
     runner.forward([BatchItem(kv, [1, 2, 3, 4], 0)])
     with pytest.raises(GroupLost, match=r"a: rank 0 allocated pages \[1\], this rank cannot "
                                         r"take them .*page 1 is owned by 'stray'"):
-        mirror.apply(group.steps[-1])
+        for step in group.steps:  # the pass, then its logits' rows
+            mirror.apply(step)
 
 
 def test_a_follower_that_lost_rank_0_frees_what_it_holds(tmp_path, model):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from common.model.config import ModelConfig
@@ -75,22 +76,38 @@ class Rotary:
         """cos, sin [num_tokens, 1, head_dim / 2] of ``positions`` (on the model's device).
 
         ``ends`` / ``lengths``: per request of the batch, its pass's end and how many of
-        the tokens are its; only dynamic RoPE past the original context reads them.
+        the tokens are its; only dynamic RoPE past the original context reads them (and
+        then ``positions`` is read on the host: the runner plans those with
+        ``stretched`` instead).
         """
-        cfg = self.cfg
-        if cfg.rope_type != "dynamic" or not ends or max(ends) <= cfg.rope_original_max_position:
+        stretched = self.stretched(positions.cpu().numpy(), ends, lengths) \
+            if self.is_stretched(ends) else None
+        if stretched is None:
             return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = (torch.from_numpy(t).to(self.device, self.cfg.torch_dtype)
+                    for t in stretched)
+        return cos[:, None, :], sin[:, None, :]
+
+    def is_stretched(self, ends: list[int] | np.ndarray | None) -> bool:
+        """Dynamic RoPE with a request past the original context (its own frequencies)."""
+        cfg = self.cfg
+        return cfg.rope_type == "dynamic" and ends is not None and len(ends) > 0 and \
+            max(ends) > cfg.rope_original_max_position
+
+    def stretched(self, positions: np.ndarray, ends, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """Host tables (float32) cos, sin [num_tokens, head_dim / 2] of a batch with
+        dynamic RoPE: each request past the original context with its own base."""
+        cfg, orig = self.cfg, self.cfg.rope_original_max_position
+        base = inv_freq(cfg)
         cos, sin, first = [], [], 0
-        for end, n in zip(ends, lengths or [len(positions)]):
-            pos = positions[first:first + n]
+        for end, n in zip(ends, lengths if lengths is not None else [len(positions)]):
+            pos = torch.from_numpy(np.asarray(positions[first:first + n], dtype=np.int64))
             first += n
-            if end <= cfg.rope_original_max_position:
-                c, s = self.cos[pos], self.sin[pos]
-            else:
-                c, s = self._tables(pos.cpu(), inv_freq(cfg, end))
-            cos.append(c)
-            sin.append(s)
-        return torch.cat(cos)[:, None, :], torch.cat(sin)[:, None, :]
+            angles = pos.float()[:, None] * (base if end <= orig else inv_freq(cfg, end)
+                                             )[None, :]
+            cos.append(angles.cos().numpy())
+            sin.append(angles.sin().numpy())
+        return np.concatenate(cos), np.concatenate(sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,24 @@
-"""Batched forward passes of a ``Model`` over rows of a paged ``KvCache``.
+"""Batched forward passes of a ``Model`` over rows of a paged ``KvCache``, planned on the
+host and run on the device without waiting for it.
 
 One forward pass takes several requests, each a run of new tokens at positions
 ``[start, start + n)`` of its kv row: a prefill chunk (n > 1, start = tokens already in the
-pool), a decode step (n = 1) or a speculative verification (n = k + 1). For every block it
+pool), a decode step (n = 1) or a speculative verification (n = k + 1). A pass is
 
-1. computes Q/K/V of all the batch's tokens in one matmul (the dense work),
-2. writes the new K/V into the pool at the row's slots of ``[start, start + n)``,
-3. gathers K/V of the row's slots ``[0, start + n)`` and attends causally.
+1. planned (``plan``, host): token ids, positions, the pool rows each new token's K/V go
+   to, the last token of each item, and the attention backend's arrays, all added to the
+   step's ``HostPlan`` (``common.model.plan``), which a step uploads once;
+2. run (``run``, device): embed, then per block Q/K/V of all tokens in one matmul, K/V
+   written into the pool at the rows planned, attention by the backend
+   (``common.model.attention``), the block's output; nothing is read back.
 
-Attention runs in groups (choice): all items with at most ``PACK_MAX_QUERY`` new tokens
-(decode steps, speculative verification) go into one padded batch (one SDPA call);
-each longer item (a prefill chunk) runs alone, so a long chunk never makes short items pad
-to its length. Padding repeats a real slot of the same row and is masked out, so the
-padded rows never read stale or reserved pages.
+A pass may take some token ids from the device (``Sourced``): a draft pass feeds the
+previous draft pass's proposals, a verification feeds all of them, and the host never
+sees them before the step's one download.
+
+``forward`` / ``forward_all`` plan, upload and run one pass (one copy in) and return
+logits on the device; steps that sample use ``plan`` / ``run`` to put several passes and
+their sampling into one upload.
 
 Exactness: every item's tokens see exactly the keys a one-at-a-time run sees; batching
 changes only the order of floating-point sums, so at float64 greedy tokens match exactly.
@@ -27,20 +33,28 @@ whose K/V rows may be narrower than the target's: they fill the first
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from common.kv import KvCache, KvRecord
+from common.model.attention import (
+    PACK_MAX_QUERY,
+    AttentionBackend,
+    LayerArgs,
+    PassGeometry,
+    PoolView,
+)
+from common.model.backends import select_backend
 from common.model.config import ModelConfig
+from common.model.graphs import DecodeGraphs, graph_bucket, graphs_wanted
 from common.model.model import Model
+from common.model.plan import DevicePlan, HostPlan, Slot
 
-PACK_MAX_QUERY = 16
-"""Items with at most this many new tokens share one padded attention call."""
+__all__ = ["PACK_MAX_QUERY", "BatchItem", "ModelRunner", "PassPlan", "Sourced"]
 
 
 @dataclass(frozen=True)
@@ -67,28 +81,44 @@ class BatchItem:
         return self.start + len(self.token_ids)
 
 
-@dataclass
-class _Group:
-    """Index tensors of one attention call over B items (device tensors)."""
+@dataclass(frozen=True)
+class Sourced:
+    """Token ids a pass takes from a device tensor instead of its items' ``token_ids``
+    (whose entries there are placeholders): token ``dest[i]`` of the pass is
+    ``source.view(-1)[src[i]]``."""
 
-    query_index: torch.Tensor  # [B, num_queries] token index into the batch, padded
-    valid_src: torch.Tensor  # [num_valid] index into the flattened [B * num_queries]
-    valid_dest: torch.Tensor  # [num_valid] token index into the batch
-    key_rows: torch.Tensor  # [B, num_keys] flat-pool row of each key slot at layer 0, padded
-    mask: torch.Tensor  # [B, 1, group * num_queries, num_keys] True = may attend
-    whole: bool = False  # unpadded, its items' tokens contiguous from the batch's first
+    dest: np.ndarray
+    src: np.ndarray
 
 
 @dataclass
-class _Plan:
-    """Everything a forward pass derives from the batch once, shared by all blocks."""
+class PassPlan:
+    """One forward pass as planned on the host (see the module doc)."""
 
-    token_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    write_rows: torch.Tensor  # [num_tokens] flat-pool row of each new token's K at layer 0
-    groups: list[_Group]
-    lengths: list[int]
-    ends: list[int]
+    items: list[BatchItem]
+    draft: bool
+    lengths: np.ndarray
+    slots: dict[str, Slot]
+    attention: object
+    """The backend's own plan (``AttentionBackend.plan``)."""
+    sourced: Sourced | None = None
+    bucket: tuple[int, int] | None = None
+    """A decode pass padded for a CUDA graph: (items, pages per item); the padding items
+    write to page 0 (reserved, never allocated) and are cut from the logits."""
+    span: tuple[int, int] = (0, 0)
+    """The bytes of the step's plan that this pass's arrays occupy."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def host_ids(self, source: np.ndarray | None = None) -> list[list[int]]:
+        """Each item's token ids, the sourced ones read from ``source`` (host values)."""
+        flat = np.concatenate([np.asarray(_as_list(it.token_ids), np.int64)
+                               for it in self.items])
+        if self.sourced is not None:
+            flat[self.sourced.dest] = np.asarray(source).reshape(-1)[self.sourced.src]
+        return [part.tolist() for part in np.split(flat, np.cumsum(self.lengths)[:-1])]
 
 
 class ModelRunner:
@@ -100,9 +130,14 @@ class ModelRunner:
             layers after it (without them ``draft=True`` fails).
         draft: a separate draft model (a draft checkpoint); None: the draft is the
             target's first ``num_draft_layers`` blocks.
+        attention: the attention backend; None: ``select_backend`` for the pool's device.
+        graphs: CUDA graphs of decode passes (``common.model.graphs``): None, on CUDA
+            unless ``PDKV_CUDA_GRAPHS=0``; False: none; a ``DecodeGraphs``: that one.
     """
 
-    def __init__(self, model: Model, cache: KvCache, draft: Model | None = None) -> None:
+    def __init__(self, model: Model, cache: KvCache, draft: Model | None = None,
+                 attention: AttentionBackend | None = None,
+                 graphs: DecodeGraphs | bool | None = None) -> None:
         cfg, layout = model.config, cache.layout
         with_draft = cfg.kv_layout(True) if draft is None else replace(
             cfg.kv_layout(False), num_draft_layers=draft.config.num_layers)
@@ -122,11 +157,16 @@ class ModelRunner:
         self.data = cache.data()  # [num_pages, total_layers, 2, page_size, kv_heads, head_dim]
         if self.data.device != model.device:
             raise ValueError(f"cache on {self.data.device}, model on {model.device}")
+        self.pool = PoolView(self.data, self.page_size)
         # The pool as rows of one token's K or V, [num_pages * total_layers * 2 * page_size,
-        # kv_heads * head_dim]: gathers and scatters over contiguous rows run near memcpy
-        # speed, where 2-index advanced indexing of the 6-d view was several times slower.
-        self.flat = self.data.view(-1, layout.num_kv_heads * layout.head_dim)
-        self.page_rows = layout.total_layers * 2 * self.page_size
+        # kv_heads * head_dim]: scatters over contiguous rows run near memcpy speed.
+        self.flat = self.pool.flat
+        self.page_rows = self.pool.page_rows
+        self.attention = attention or select_backend(model.device, self.page_size)
+        self.device = model.device
+        if graphs is None:
+            graphs = graphs_wanted(self.device)
+        self.graphs = DecodeGraphs(capture=True) if graphs is True else graphs or None
 
     @property
     def fingerprint(self) -> str:
@@ -136,74 +176,41 @@ class ModelRunner:
         both = f"{self.model.fingerprint}+{self.draft.fingerprint}".encode()
         return hashlib.sha256(both).hexdigest()[:32]
 
+    # -- one pass, planned and uploaded alone --------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
         """Runs the batch; returns logits of each item's last token, [len(batch), vocab]."""
-        with self.around_pass():
-            h, plan = self._hidden(batch, draft)
-            last = torch.from_numpy(np.cumsum(plan.lengths) - 1)
-            return self._pick(draft).logits(h[self._to_device(last)])
+        host = HostPlan(self.device)
+        pp = self.plan(host, batch, draft=draft)
+        dev = host.upload()
+        return self.step_logits(pp, dev)
 
     @torch.inference_mode()
     def forward_all(self, batch: list[BatchItem], *, draft: bool = False
                     ) -> list[torch.Tensor]:
         """Runs the batch; returns logits of every new token, one [n_i, vocab] per item
         (speculative verification needs all k + 1)."""
-        with self.around_pass():
-            h, plan = self._hidden(batch, draft)
-            return list(self._pick(draft).logits(h).split(plan.lengths))
+        host = HostPlan(self.device)
+        pp = self.plan(host, batch, draft=draft)
+        dev = host.upload()
+        return list(self.logits(pp, dev, self.run(pp, dev), every=True).split(
+            pp.lengths.tolist()))
 
-    def _pick(self, draft: bool) -> Model:
+    # -- plan (host) and run (device) -----------------------------------------------------
+    def model_of(self, draft: bool) -> Model:
         return self.draft if draft and self.draft is not None else self.model
 
-    def _hidden(self, batch: list[BatchItem], draft: bool) -> tuple[torch.Tensor, _Plan]:
-        model = self._pick(draft)
-        num_blocks = model.num_blocks(draft and self.draft is None)
-        if draft and self.data.shape[1] == self.model.config.num_layers:
-            raise ValueError("draft=True but the cache has no draft layers")
-        first_layer = self.model.config.num_layers if draft else 0
-        width = model.config.kv_size  # a narrower draft fills the first columns of a row
-        cols = slice(None) if width == self.flat.shape[1] else slice(0, width)
-        plan = self._plan(batch, model.config)
-        rope = model.rope(plan.positions, plan.ends, plan.lengths)
-        h = model.embed(plan.token_ids)  # [num_tokens, hidden]
-        for b in range(num_blocks):
-            q, k, v = model.qkv(b, h, rope)
-            k_row = (first_layer + b) * 2 * self.page_size  # V rows follow at + page_size
-            self._write(plan.write_rows + k_row, k, cols)
-            self._write(plan.write_rows + k_row + self.page_size, v, cols)
-            h = model.block_out(b, h, self._attend(q, k_row, plan, cols))
-        return h, plan
-
-    def _write(self, rows: torch.Tensor, x: torch.Tensor, cols: slice) -> None:
-        """x: [num_tokens, kv_heads, dim] into pool rows (all columns: the fast path)."""
-        if cols == slice(None):
-            self.flat[rows] = x.reshape(x.shape[0], -1)
-        else:
-            self.flat[rows, cols] = x.reshape(x.shape[0], -1)
-
-    def _attend(self, q: torch.Tensor, k_row: int, plan: _Plan, cols: slice) -> torch.Tensor:
-        """q: [num_tokens, heads, dim] -> [num_tokens, heads * dim], group by group."""
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        for g in plan.groups:
-            rows = g.key_rows.reshape(-1) + k_row
-            shape = (*g.key_rows.shape, -1)  # [B, num_keys, kv_heads * dim]
-            k = self.flat.index_select(0, rows)[:, cols].reshape(shape)
-            v = self.flat.index_select(0, rows + self.page_size)[:, cols].reshape(shape)
-            o = _group_attention(q, k, v, g)  # [B, num_queries, heads * dim]
-            if g.whole and len(plan.groups) == 1:  # every token once, in order (decode)
-                return o.reshape(out.shape)
-            # Index tensors built on the host: no device sync from boolean masking.
-            out[g.valid_dest] = o.reshape(-1, o.shape[-1])[g.valid_src]
-        return out
-
-    def _plan(self, batch: list[BatchItem], cfg: ModelConfig) -> _Plan:
-        """Index tensors of the batch for the model of ``cfg``, built with a few numpy ops
-        over all items.
+    def plan(self, host: HostPlan, batch: Sequence[BatchItem], *, draft: bool = False,
+             sourced: Sourced | None = None) -> PassPlan:
+        """Adds one pass's arrays to ``host`` (see the module doc); checks the batch.
 
         Key and write rows come from each row's page table (``cache.pages``, one entry per
-        page) instead of its slot list (one per position), and no per-item tensors are made.
+        page) with a few numpy ops over all items; no per-item tensors are made.
         """
+        if draft and self.data.shape[1] == self.model.config.num_layers:
+            raise ValueError("draft=True but the cache has no draft layers")
+        cfg = self.model_of(draft).config
+        batch = list(batch)
         _validate(batch, cfg)
         ids = _token_ids(batch)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
@@ -211,33 +218,119 @@ class ModelRunner:
                        if any(not 0 <= int(t) < cfg.vocab_size for t in _as_list(it.token_ids)))
             raise ValueError(f"row {bad.kv.row}: token ids must be in [0, {cfg.vocab_size})")
         ps = self.page_size
+        start_byte = host.nbytes
         starts = np.fromiter((it.start for it in batch), np.int64, len(batch))
         lengths = np.fromiter((len(it.token_ids) for it in batch), np.int64, len(batch))
         ends = starts + lengths
-        # All items' page tables end to end; item b's page i is flat_pages[page_off[b] + i].
+        # All items' page tables end to end; item b's page i is tables[page_off[b] + i].
         tables = [self.cache.pages(it.kv, 0, int(e)) for it, e in zip(batch, ends)]
-        page_off = np.zeros(len(batch), np.int64)
+        rotary = self.model_of(draft).rotary
+        bucket = None
+        if self.graphs is not None and not draft and sourced is None and \
+                not rotary.is_stretched(ends):
+            bucket = graph_bucket(lengths, [len(t) for t in tables])
+        real = lengths
+        if bucket is not None:  # padding items: one token at position 0 of page 0
+            pad = bucket[0] - len(batch)
+            starts, lengths = np.append(starts, np.zeros(pad, np.int64)), \
+                np.append(lengths, np.ones(pad, np.int64))
+            tables += [np.zeros(1, np.int32)] * pad
+            ids = np.append(ids, np.zeros(pad, np.int64))
+        page_off = np.zeros(len(tables), np.int64)
         np.cumsum([len(t) for t in tables[:-1]], out=page_off[1:])
-        page_base = np.concatenate(tables).astype(np.int64) * self.page_rows
+        flat_tables = np.concatenate(tables).astype(np.int64)
         firsts = np.cumsum(lengths) - lengths
-        total = int(lengths.sum())
-        item_of = np.repeat(np.arange(len(batch)), lengths)
-        positions = np.arange(total) - firsts[item_of] + starts[item_of]
-        write_rows = page_base[page_off[item_of] + positions // ps] + positions % ps
-        cfg_group = cfg.num_heads // cfg.num_kv_heads
-        packed = np.flatnonzero(lengths <= PACK_MAX_QUERY)
-        members = ([packed] if len(packed) else []) + [
-            np.array([i]) for i in np.flatnonzero(lengths > PACK_MAX_QUERY)]
-        groups = [_build_group(starts[m], lengths[m], firsts[m], page_off[m], page_base, ps,
-                               cfg_group, cfg.sliding_window, self._to_device)
-                  for m in members]
-        return _Plan(token_ids=self._to_device(ids),
-                     positions=self._to_device(torch.from_numpy(positions)),
-                     write_rows=self._to_device(torch.from_numpy(write_rows)), groups=groups,
-                     lengths=lengths.tolist(), ends=ends.tolist())
+        item_of = np.repeat(np.arange(len(tables)), lengths)
+        positions = np.arange(int(lengths.sum())) - firsts[item_of] + starts[item_of]
+        write_rows = flat_tables[page_off[item_of] + positions // ps] * self.page_rows \
+            + positions % ps
+        geo = PassGeometry(starts, lengths, firsts, page_off, flat_tables, ps,
+                           cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window,
+                           bucket[1] if bucket else 0)
+        slots = {"token_ids": host.add(ids), "positions": host.add(positions),
+                 "write_rows": host.add(write_rows), "last": host.add(firsts + lengths - 1)}
+        if rotary.is_stretched(ends):
+            cos, sin = rotary.stretched(positions, ends, lengths)
+            slots["cos"], slots["sin"] = host.add(cos), host.add(sin)
+        if sourced is not None:
+            slots["src_dest"] = host.add(sourced.dest, np.int64)
+            slots["src_index"] = host.add(sourced.src, np.int64)
+        attention = self.attention.plan(host, geo)
+        return PassPlan(batch, draft, real, slots, attention, sourced, bucket,
+                        (start_byte, host.nbytes))
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.model.device.type == "cpu" else t.to(self.model.device)
+    def run(self, pp: PassPlan, dev: DevicePlan, source: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Runs a planned pass; returns the hidden states [num_tokens, hidden] (device).
+
+        ``source``: the device tensor the pass's ``Sourced`` token ids come from. The
+        pass runs inside ``around_pass``.
+        """
+        with self.around_pass():
+            return self._run(pp, dev, source)
+
+    def _run(self, pp: PassPlan, dev: DevicePlan, source: torch.Tensor | None
+             ) -> torch.Tensor:
+        draft = pp.draft
+        model = self.model_of(draft)
+        num_blocks = model.num_blocks(draft and self.draft is None)
+        first_layer = self.model.config.num_layers if draft else 0
+        width = model.config.kv_size  # a narrower draft fills the first columns of a row
+        t = {name: dev[slot] for name, slot in pp.slots.items()}
+        ids = t["token_ids"]
+        if pp.sourced is not None:
+            ids = ids.index_copy(0, t["src_dest"], source.reshape(-1)[t["src_index"]])
+        rope = self._rope(model, t)
+        state = self.attention.bind(pp.attention, dev, self.pool, model.config.torch_dtype)
+        h = model.embed(ids)  # [num_tokens, hidden]
+        for b in range(num_blocks):
+            q, k, v = model.qkv(b, h, rope)
+            layer = first_layer + b
+            k_row = layer * 2 * self.page_size  # V rows follow at + page_size
+            self._write(t["write_rows"] + k_row, k, width)
+            self._write(t["write_rows"] + k_row + self.page_size, v, width)
+            attn = self.attention.attend(state, LayerArgs(q, k, v, layer, width))
+            h = model.block_out(b, h, attn)
+        return h
+
+    def logits(self, pp: PassPlan, dev: DevicePlan, h: torch.Tensor, *, every: bool = False,
+               padded: bool = False) -> torch.Tensor:
+        """Logits of each item's last token [items, vocab], or of every token (a padded
+        pass's padding cut off unless ``padded``)."""
+        if every:
+            return self.head(pp, h[:pp.num_tokens])
+        out = self.head(pp, h, dev[pp.slots["last"]])
+        return out if padded else out[:len(pp.items)]
+
+    def head(self, pp: PassPlan, h: torch.Tensor, rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Logits of ``h[rows]`` (all of ``h`` when None), ``h`` being the hidden states
+        of ``pp``, the pass run last: every logits computation goes through here (a
+        tensor-parallel leader announces the rows, its followers compute their shards of
+        the same rows)."""
+        return self.model_of(pp.draft).logits(h if rows is None else h[rows])
+
+    def step_logits(self, pp: PassPlan, dev: DevicePlan) -> torch.Tensor:
+        """``logits(run(...))`` of a planned pass; a padded decode pass through its CUDA
+        graph (``common.model.graphs``)."""
+        if pp.bucket is not None and self.graphs is not None:
+            with self.around_pass():  # a replay is a pass too (``run`` nests in a capture)
+                return self.graphs.logits(self, pp, dev)[:len(pp.items)]
+        return self.logits(pp, dev, self.run(pp, dev))
+
+    @staticmethod
+    def _rope(model: Model, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "cos" in t:  # dynamic RoPE past the original context: planned on the host
+            dt = model.config.torch_dtype
+            return t["cos"].to(dt)[:, None, :], t["sin"].to(dt)[:, None, :]
+        return model.rope(t["positions"])
+
+    def _write(self, rows: torch.Tensor, x: torch.Tensor, width: int) -> None:
+        """x: [num_tokens, kv_heads, dim] into pool rows (all columns: the fast path)."""
+        if width == self.flat.shape[1]:
+            self.flat[rows] = x.reshape(x.shape[0], -1)
+        else:
+            self.flat[rows, :width] = x.reshape(x.shape[0], -1)
 
 
 def _as_list(token_ids: torch.Tensor | list[int]) -> list[int]:
@@ -245,12 +338,12 @@ def _as_list(token_ids: torch.Tensor | list[int]) -> list[int]:
         token_ids).reshape(-1).tolist()
 
 
-def _token_ids(batch: list[BatchItem]) -> torch.Tensor:
-    """All items' token ids end to end, int64 on the host (one tensor for the batch)."""
+def _token_ids(batch: list[BatchItem]) -> np.ndarray:
+    """All items' token ids end to end, int64 on the host (one array for the batch)."""
     flat: list[int] = []
     for it in batch:
         flat.extend(_as_list(it.token_ids))
-    return torch.tensor(flat, dtype=torch.int64)
+    return np.asarray(flat, dtype=np.int64)
 
 
 def _validate(batch: list[BatchItem], cfg: ModelConfig) -> None:
@@ -271,55 +364,3 @@ def _validate(batch: list[BatchItem], cfg: ModelConfig) -> None:
             raise ValueError(f"row {item.kv.row}: positions [{item.start}, {end}) pass "
                              f"allocated_len={item.kv.allocated_len} or "
                              f"max_position={cfg.max_position}; extend the row first")
-
-
-def _build_group(starts: np.ndarray, lengths: np.ndarray, firsts: np.ndarray,
-                 page_off: np.ndarray, page_base: np.ndarray, page_size: int,
-                 group_size: int, window: int, to_device) -> _Group:
-    """One attention call over the items given by their starts, lengths, first token
-    index in the batch and page-table offset into ``page_base`` (flat-pool row of each
-    page's K at layer 0), all at once in numpy.
-
-    With a sliding ``window`` only keys [start - window + 1, end) are gathered: a query
-    at p sees keys (p - window, p]."""
-    ends = starts + lengths
-    lo = np.maximum(starts - window + 1, 0) if window else np.zeros_like(starts)
-    num_b, num_q, num_k = len(starts), int(lengths.max()), int((ends - lo).max())
-    # Padding repeats the item's last token and last slot: real data, masked out.
-    j = np.minimum(np.arange(num_q), lengths[:, None] - 1)  # [B, num_q]
-    q_index, q_pos = firsts[:, None] + j, starts[:, None] + j
-    pos = lo[:, None] + np.minimum(np.arange(num_k), (ends - lo)[:, None] - 1)  # [B, num_k]
-    key_rows = page_base[page_off[:, None] + pos // page_size] + pos % page_size
-    valid_src = np.flatnonzero(np.arange(num_q) < lengths[:, None])
-    k_pos = lo[:, None, None] + np.arange(num_k)  # [B, 1, nk], unclipped
-    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ends[:, None, None])  # [B, nq, nk]
-    if window:
-        mask &= k_pos > q_pos[:, :, None] - window
-    # Query rows are ordered (group member, query) to match _group_attention's reshape.
-    mask = np.repeat(mask[:, None], group_size, axis=1).reshape(num_b, 1, -1, num_k)
-    return _Group(query_index=to_device(torch.from_numpy(q_index)),
-                  valid_src=to_device(torch.from_numpy(valid_src)),
-                  valid_dest=to_device(torch.from_numpy(q_index.reshape(-1)[valid_src])),
-                  key_rows=to_device(torch.from_numpy(key_rows)),
-                  mask=to_device(torch.from_numpy(mask)),
-                  whole=bool(firsts[0] == 0 and (lengths == num_q).all()
-                             and (np.diff(firsts) == num_q).all()))
-
-
-def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group
-                     ) -> torch.Tensor:
-    """Grouped-query attention of one group without repeating K/V per query head.
-
-    q: [num_tokens, heads, dim]; k, v: [B, num_keys, kv_heads * dim] (gathered, padded).
-    Returns [B, num_queries, heads * dim].
-    """
-    num_b, num_q = g.query_index.shape
-    dim = q.shape[2]
-    k = k.view(num_b, k.shape[1], -1, dim).transpose(1, 2)  # [B, kv_heads, num_keys, dim]
-    v = v.view(num_b, v.shape[1], -1, dim).transpose(1, 2)
-    kv_heads = k.shape[1]
-    qg = q[g.query_index].reshape(num_b, num_q, kv_heads, -1, dim)  # [B, nq, kvh, grp, dim]
-    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_b, kv_heads, -1, dim)  # [B, kvh, grp*nq, dim]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)  # [B, kvh, grp*nq, dim]
-    o = o.reshape(num_b, kv_heads, -1, num_q, dim).permute(0, 3, 1, 2, 4)
-    return o.reshape(num_b, num_q, -1)  # [B, nq, heads * dim]

@@ -13,6 +13,10 @@ starts warm on the decode side).
 
 Prefix-cache seam: a request whose first ``num_computed`` prompt tokens already hold KV
 (loaded from a host tier) computes only the rest.
+
+A pass waits for the device at most once: the target's and the draft's plans and the
+first tokens' draw parameters go up in one copy; the first tokens come down in one copy
+(none when no prompt finished); the draft's pass runs after it without being waited for.
 """
 
 from __future__ import annotations
@@ -20,7 +24,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from common.model import BatchItem, ModelRunner, sample
+import numpy as np
+import torch
+
+from common.model import (
+    BatchItem,
+    HostPlan,
+    ModelRunner,
+    SamplingArgs,
+    candidates_for,
+    choose,
+    download,
+    exact_rows,
+    plan_draws,
+)
 from common.request import Request
 
 logger = logging.getLogger(__name__)
@@ -78,21 +95,36 @@ class PrefillEngine:
         if not batch:
             return [], []
         items = self.items(batch)
-        logits = self.runner.forward(items)
         finished = self.finishing(batch)
-        if finished:
-            rows = logits[[i for i, _ in finished]]
-            tokens = sample(rows, [r.params for _, r in finished],
-                            [r.label for _, r in finished],
-                            [r.sample_step for _, r in finished])
-            for (_, req), tok in zip(finished, tokens):
-                req.output.append(tok)
-            if on_sampled is not None:
-                on_sampled([r for _, r in finished])
-        if self.with_draft:
-            self.runner.forward(items, draft=True)
+        self._compute(items, finished, on_sampled)
         self.commit(batch)
         return [r for r, _ in batch], [r for _, r in finished]
+
+    @torch.inference_mode()
+    def _compute(self, items: list[BatchItem], finished: list[tuple[int, Request]],
+                 on_sampled: Sampled | None) -> None:
+        """The target's pass, the finished prompts' first tokens, the draft's pass."""
+        runner = self.runner
+        host = HostPlan(runner.device)
+        target = runner.plan(host, items)
+        draft = runner.plan(host, items, draft=True) if self.with_draft else None
+        if finished:  # only the finished prompts' last tokens need logits
+            ends = np.cumsum([it.num_tokens for it in items]) - 1
+            last = host.add(ends[[i for i, _ in finished]])
+            draws = plan_draws(host, [r for _, r in finished], runner.model.config.vocab_size)
+        dev = host.upload()
+        h = runner.run(target, dev)
+        if finished:
+            logits = runner.head(target, h, dev[last])
+            args = SamplingArgs.bind(draws, dev)
+            tokens = exact_rows(logits, args, download(choose(logits, args,
+                                                              candidates_for(runner.device))))
+            for (_, req), tok in zip(finished, tokens):
+                req.output.append(int(tok))
+            if on_sampled is not None:
+                on_sampled([r for _, r in finished])
+        if draft is not None:
+            runner.run(draft, dev)
 
     # -- the pieces of a pass (a colocated worker folds them into its decode step) -------
     def plan(self, budget: int) -> list[tuple[Request, int]]:

@@ -19,10 +19,22 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+import torch
+
 from common import trace
 from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
-from common.model import ModelRunner, sample
+from common.model import (
+    HostPlan,
+    ModelRunner,
+    SamplingArgs,
+    candidates_for,
+    choose,
+    download,
+    exact_rows,
+    plan_draws,
+)
 from common.node import PrefillEngine, WorkerBase
 from common.request import Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
@@ -122,9 +134,10 @@ class ColocatedWorker(WorkerBase):
     # -- a mixed step --------------------------------------------------------------------
     def _mixed_step(self, runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
         """A ``StepFn``: one forward pass over every running request's newest token
-        (``greedy_step``'s work) and the prompt chunks that fit the step's token budget;
-        one ``sample`` call for the decode rows and the prompts that ended. Returns the
-        decode rows' tokens; the prompts that ended wait in ``_computed``.
+        (``plain_step``'s work) and the prompt chunks that fit the step's token budget;
+        one device draw for the decode rows and the prompts that ended (one plan up, one
+        copy of the ids down, as ``plain_step``). Returns the decode rows' tokens; the
+        prompts that ended wait in ``_computed``.
 
         | items | tokens | logits used |
         | --- | --- | --- |
@@ -138,21 +151,29 @@ class ColocatedWorker(WorkerBase):
             self._fail_pass(exc)
             raise
 
+    @torch.inference_mode()
     def _mixed_forward(self, runner: ModelRunner, seqs: list[Request],
                        chunks: list[tuple[Request, int]]) -> list[list[int]]:
         cache = runner.cache
         for s in seqs:
             assert s.kv.allocated_len == s.next_position, (s.rid, s.kv)
             cache.extend(s.kv, 1)
-        logits = runner.forward([*self.scheduler.batch.items(seqs),
-                                 *self.engine.items(chunks)])
+        ended = self.engine.finishing(chunks)
+        reqs = [*seqs, *(r for _, r in ended)]
+        # one plan up (the pass and every draw), one copy of the ids down
+        host = HostPlan(runner.device)
+        pp = runner.plan(host, [*self.scheduler.batch.items(seqs), *self.engine.items(chunks)])
+        draws = plan_draws(host, reqs, runner.model.config.vocab_size)
+        rows = host.add(np.array([*range(len(seqs)), *(len(seqs) + i for i, _ in ended)],
+                                 np.int64))
+        dev = host.upload()
+        logits = runner.logits(pp, dev, runner.run(pp, dev), padded=True)[dev[rows]]
+        args = SamplingArgs.bind(draws, dev)
+        tokens = exact_rows(logits, args, download(choose(logits, args,
+                                                          candidates_for(runner.device))))
+        tokens = [int(t) for t in tokens]
         for s in seqs:
             cache.commit(s.kv, 1)
-        ended = self.engine.finishing(chunks)
-        rows = [*range(len(seqs)), *(len(seqs) + i for i, _ in ended)]
-        reqs = [*seqs, *(r for _, r in ended)]
-        tokens = sample(logits[rows], [r.params for r in reqs], [r.label for r in reqs],
-                        [r.sample_step for r in reqs])
         for req, tok in zip(reqs[len(seqs):], tokens[len(seqs):]):
             req.output.append(tok)
             trace.mark("colocated.sampled", req.rid)

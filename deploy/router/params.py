@@ -5,14 +5,13 @@ same names (``max_tokens`` becomes ``max_new_tokens``, the rest keep theirs), so
 request gets the same treatment and the same refusal whichever way it came.
 
 - sampling: every ``SamplingParams`` field (``max_new_tokens``, ``temperature``,
-  ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``stop_token``...), served as
-  ``SamplingParams`` and checked by ``common.request.validate``;
+  ``top_p``, ``top_k``, ``min_p``, ``seed``, ``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``, ``stop_token_ids``, ``stop_token``...),
+  served as ``SamplingParams`` (the workers' device sampler applies each) and checked by
+  ``common.request.validate``;
 - output: ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
   ``return_token_ids`` (booleans), the stop policy and the text route (``Options``);
 - ``model`` (a string), checked against the served model;
-- pending: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
-  ``min_p``, sampling once ``SamplingParams`` has the field, their neutral value only
-  until then;
 - neutral only: ``n``, ``best_of``, ``echo``, ``logprobs``, ``top_logprobs``,
   ``suffix``, ``min_tokens``, ``logit_bias``, ``tools``, ``tool_choice``,
   ``response_format``, ``parallel_tool_calls``, ``add_special_tokens``,
@@ -31,10 +30,6 @@ from common.request import BadRequest, SamplingParams
 from deploy.router.errors import Unsupported
 
 SAMPLING = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-PENDING = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-           "min_p": 0.0}
-"""Sampling parameters another change brings to ``SamplingParams`` (with the sampler that
-applies them): served as soon as the field exists, their neutral value alone until then."""
 NEUTRAL: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (0, False),
     "top_logprobs": (0,), "suffix": ("",), "min_tokens": (0,), "logit_bias": (),
@@ -61,7 +56,7 @@ class Options:
 
 
 _OPTIONS = {f.name: f.type for f in dataclasses.fields(Options)}
-KNOWN = SAMPLING | set(PENDING) | set(NEUTRAL) | set(_OPTIONS)
+KNOWN = SAMPLING | set(NEUTRAL) | set(_OPTIONS)
 
 
 def read(params: dict) -> tuple[dict, Options]:
@@ -69,7 +64,7 @@ def read(params: dict) -> tuple[dict, Options]:
 
     Raises:
         BadRequest: an unknown name, or an option of the wrong type.
-        Unsupported: a neutral-only (or pending) parameter at another value.
+        Unsupported: a neutral-only parameter at another value.
     """
     sampling, options = {}, {}
     for name, value in params.items():
@@ -77,8 +72,6 @@ def read(params: dict) -> tuple[dict, Options]:
             sampling[name] = value
         elif name in _OPTIONS:
             options[name] = _option(name, value)
-        elif name in PENDING:
-            _neutral(name, value, (PENDING[name],))
         elif name in NEUTRAL:
             _neutral(name, value, NEUTRAL[name])
         else:

@@ -77,8 +77,9 @@ class TpStep:
     """What every follower does next: apply ``ops``, then run ``kind``."""
 
     kind: str
-    """idle (ops only), forward, forward_all, agree (``owners``: the rids asked about),
-    health (each rank's ``RankReport`` asked for) or stop."""
+    """idle (ops only), forward (a pass: the followers run it and keep its hidden states),
+    logits (``tokens``: rows of the last pass; the head's gather), agree (``owners``: the
+    rids asked about), health (each rank's ``RankReport`` asked for) or stop."""
     ops: list[bytes] = field(default_factory=list)
     draft: bool = False
     owners: list[str] = field(default_factory=list)
@@ -150,6 +151,11 @@ class Lockstep:
             step_kind, ops, draft, [b.kv.owner for b in batch], [b.start for b in batch],
             [b.num_tokens for b in batch],
             pack_ids(np.concatenate([_ids(b.token_ids) for b in batch])) if batch else b""))
+
+    def send_logits(self, rows: np.ndarray) -> None:
+        """Every follower computes its head's shard of logits of ``rows`` of its last
+        pass's hidden states (rank 0 gathers them: ``TpModel.logits``)."""
+        self._exchange(lambda ops: TpStep("logits", ops, tokens=pack_ids(rows)))
 
     def record_transfer(self, op: str, rid: str, **fields) -> None:
         """A transfer op (``x_expect``, ``x_send``, ``x_finish``, ``x_announce``,

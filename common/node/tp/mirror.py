@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from common.control import DecodeError, unpack_ids
 from common.freelog import log_problems
 from common.kv import OutOfPages
-from common.model import BatchItem, ModelRunner
+from common.model import BatchItem, DevicePlan, HostPlan, ModelRunner, PassPlan, download
 from common.node.tp.cache import CacheMirror, LeaderKvCache
 from common.node.tp.host import HostMirror
 from common.node.tp.lockstep import RankReport, TpKvOp, TpStep, encode_report, read_step
@@ -24,20 +25,36 @@ from transport import RankReceiver, RankSender
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: each pass is announced to the followers, then run with them."""
+    """Rank 0's runner: each pass is announced to the followers, then run with them.
+
+    A pass whose token ids come from the device (speculation's draft proposals) reads
+    them back first: the followers get every pass's ids over the lockstep, so a
+    tensor-parallel step waits for the device once per such pass (a single-device worker
+    does not). Each logits computation (``head``) is announced too, with its rows: the
+    head's logits are a gather over the ranks, so every rank must take the same rows of
+    the same pass, whichever rows a step needs (a prefill's finished prompts, a
+    verification's k + 1 positions)."""
 
     def __init__(self, model, cache: LeaderKvCache, draft=None) -> None:
-        super().__init__(model, cache, draft)
+        # no CUDA graphs: a replay would skip the announce each pass makes
+        super().__init__(model, cache, draft, graphs=False)
         self.lockstep = cache.lockstep
 
-    def forward(self, batch: list[BatchItem], *, draft: bool = False) -> torch.Tensor:
-        self.lockstep.send("forward", batch, draft)
-        return super().forward(batch, draft=draft)
+    def run(self, pp: PassPlan, dev: DevicePlan, source: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        ids = pp.host_ids(None if source is None else download(source))
+        batch = [BatchItem(it.kv, t, it.start) for it, t in zip(pp.items, ids)]
+        self.lockstep.send("forward", batch, pp.draft)
+        return super().run(pp, dev, source)
 
-    def forward_all(self, batch: list[BatchItem], *, draft: bool = False
-                    ) -> list[torch.Tensor]:
-        self.lockstep.send("forward_all", batch, draft)
-        return super().forward_all(batch, draft=draft)
+    def head(self, pp: PassPlan, h: torch.Tensor, rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The head's logits are gathered from every rank's vocabulary shard: the
+        followers compute the same rows of their last pass (read back here, as the
+        proposals are)."""
+        picked = np.arange(h.shape[0]) if rows is None else download(rows).reshape(-1)
+        self.lockstep.send_logits(picked)
+        return super().head(pp, h, rows)
 
 
 Reporter = Callable[[bool], RankReport]
@@ -68,6 +85,8 @@ class Mirror:
         self.kv = CacheMirror(runner.cache)
         self.endpoint, self.group, self.host = endpoint, group, host
         self.reporter = reporter or (lambda _final: RankReport(self.log_problems()))
+        self._last: tuple[PassPlan, torch.Tensor] | None = None
+        """The last pass's plan and hidden states (a "logits" step reads its rows)."""
 
     @property
     def closed(self) -> bool:
@@ -85,8 +104,14 @@ class Mirror:
                 from exc
         if step.kind == "stop":
             return False
-        if step.kind in ("forward", "forward_all"):
+        if step.kind == "forward":
             self._forward(step)
+        elif step.kind == "logits":  # rank 0's rows of the last pass (its head's gather)
+            if self._last is None:
+                raise GroupLost(f"tp rank {self.rank}: logits asked before any pass")
+            rows = torch.from_numpy(unpack_ids(step.tokens, "rows").astype(np.int64))
+            pp, h = self._last
+            self.runner.head(pp, h, rows.to(h.device))
         elif step.kind == "agree":  # same count on every rank: rank 0 sent the rids
             self.group.all_min([self.endpoint.status(rid) if self.endpoint else 1
                                 for rid in step.owners])
@@ -107,10 +132,10 @@ class Mirror:
         for owner, start, n in zip(step.owners, step.starts, step.lengths):
             items.append(BatchItem(self.kv.rows[owner], ids[at:at + n], start))
             at += n
-        if step.kind == "forward":
-            self.runner.forward(items, draft=step.draft)
-        else:
-            self.runner.forward_all(items, draft=step.draft)
+        host = HostPlan(self.runner.device)
+        pp = self.runner.plan(host, items, draft=step.draft)
+        dev = host.upload()
+        self._last = (pp, self.runner.run(pp, dev))  # its logits: the "logits" steps
 
     def _op(self, op: TpKvOp) -> None:
         kv = self.kv.row(op)

@@ -304,7 +304,7 @@ def run_follower(spec: TpSpec, name: str, device: str, log_dir: str | None,
                         device=device, log_path=freelog_path(log_dir, name, spec.rank),
                         node=node, max_rows=setup["max_rows"],
                         shared_memory=setup.get("shared_memory", False))
-        runner = ModelRunner(model, cache, draft)
+        runner = ModelRunner(model, cache, draft, graphs=False)  # rank 0's passes, as sent
         host = follower_host(config, cache, device, log_dir, f"{name}.tp{spec.rank}", node)
         endpoint = _endpoint(setup, spec, config, cache, runner.fingerprint, kv_bind,
                              kv_advertise, group)
