@@ -98,8 +98,10 @@ def _frees(log, owner_label: str) -> set[str]:
 
 @pytest.mark.parametrize("mode", ["disagg", "colocated"])
 def test_ordinary_stops_are_freed_finished_and_aborts_aborted(tmp_path, model, mode):
+    # every disaggregated request through the prefill: "stop_string" repeats "whole"'s
+    # prompt, which the decode would otherwise compute itself from its prefix cache
     proc, url = start_serve(tmp_path, *(["--mode", "colocated"] if mode == "colocated"
-                                        else []))
+                                        else ["--local-prefill-tokens", "0"]))
     ids: dict[str, str] = {}
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
