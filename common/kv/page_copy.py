@@ -106,6 +106,17 @@ def check_pages(pages: np.ndarray, num_pages: int, what: str = "page") -> None:
                          f"a pool of {num_pages} pages")
 
 
+def _checked(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Both page lists as int64, each id inside its pool, the lists of one length."""
+    src_pages = np.asarray(src_pages, np.int64)
+    dst_pages = np.asarray(dst_pages, np.int64)
+    check_pages(src_pages, src.shape[0], "source page")
+    check_pages(dst_pages, dst.shape[0], "destination page")
+    _check_lengths(src_pages, dst_pages)
+    return src_pages, dst_pages
+
+
 def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarray,
                non_blocking: bool = False, src_heads: slice | None = None,
                dst_heads: slice | None = None, split: bool = True) -> int:
@@ -118,11 +129,7 @@ def copy_pages(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.ndarra
         IndexError: a page id outside its pool.
         ValueError: the page lists differ in length.
     """
-    src_pages = np.asarray(src_pages, np.int64)
-    dst_pages = np.asarray(dst_pages, np.int64)
-    check_pages(src_pages, src.shape[0], "source page")
-    check_pages(dst_pages, dst.shape[0], "destination page")
-    _check_lengths(src_pages, dst_pages)
+    src_pages, dst_pages = _checked(src, src_pages, dst, dst_pages)
     if not len(src_pages):
         return 0
     # each side's breaks are found once per copy; the runs are counted, not built (the
@@ -162,20 +169,16 @@ def copy_pages_fed(src: Pool, src_pages: np.ndarray, dst: Pool, dst_pages: np.nd
         IndexError: a page id outside its pool.
         ValueError: the page lists differ in length.
     """
-    src_pages = np.asarray(src_pages, np.int64)
-    dst_pages = np.asarray(dst_pages, np.int64)
-    check_pages(src_pages, src.shape[0], "source page")
-    check_pages(dst_pages, dst.shape[0], "destination page")
-    _check_lengths(src_pages, dst_pages)
+    src_pages, dst_pages = _checked(src, src_pages, dst, dst_pages)
     src_rows, dst_rows = _byte_rows(src), _byte_rows(dst)
     runs = page_runs(src_pages, dst_pages)
     for s, d, n in runs:
-        copy_fed(src_rows[s:s + n].reshape(-1), dst_rows[d:d + n].reshape(-1), feed,
+        _copy_fed(src_rows[s:s + n].reshape(-1), dst_rows[d:d + n].reshape(-1), feed,
                  chunk_bytes)
     return len(runs)
 
 
-def copy_fed(src: np.ndarray, dst: np.ndarray, feed: Callable[[np.ndarray], object],
+def _copy_fed(src: np.ndarray, dst: np.ndarray, feed: Callable[[np.ndarray], object],
              chunk_bytes: int = FEED_CHUNK_BYTES) -> None:
     """``dst[:] = src`` (1-D uint8, equal lengths) chunk by chunk, each chunk of ``src``
     handed to ``feed`` right after it was copied."""
