@@ -29,17 +29,7 @@ from collections.abc import Callable
 import torch
 
 from common.kv import KvCache, KvRecord, ceil_align
-from common.model import (
-    BatchItem,
-    HostPlan,
-    ModelRunner,
-    SamplingArgs,
-    candidates_for,
-    choose,
-    download,
-    exact_rows,
-    plan_draws,
-)
+from common.model import BatchItem, HostPlan, ModelRunner, draw, plan_draws
 from common.request import Request
 
 logger = logging.getLogger(__name__)
@@ -62,9 +52,7 @@ def plain_step(runner: ModelRunner, seqs: list[Request]) -> list[list[int]]:
     sp = plan_draws(host, seqs, runner.model.config.vocab_size)
     dev = host.upload()
     logits = runner.step_logits(pp, dev)  # a CUDA graph's replay where one is captured
-    args = SamplingArgs.bind(sp, dev)
-    tokens = exact_rows(logits, args, download(choose(logits, args,
-                                                      candidates_for(runner.device))))
+    tokens = draw(logits, sp, dev)
     for s in seqs:
         cache.commit(s.kv, 1)
     return [[int(t)] for t in tokens]

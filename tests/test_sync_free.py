@@ -75,9 +75,7 @@ def truncation(request, monkeypatch):
     a draw fell outside its nucleus and is drawn again."""
     monkeypatch.setattr(sampling, "CPU_CANDIDATES", request.param)
     monkeypatch.setattr(sampling, "candidates_for", lambda device: request.param)
-    for where in ("decode_node.batch", "decode_node.speculative", "common.node.prefill_engine",
-                  "deploy.launch.colocated"):
-        monkeypatch.setattr(f"{where}.candidates_for", lambda device: request.param)
+    monkeypatch.setattr("decode_node.speculative.candidates_for", lambda device: request.param)
     MODE["value"] = request.param
 
 

@@ -518,6 +518,15 @@ def exact_rows(logits: torch.Tensor, args: SamplingArgs, out: np.ndarray,
     return tokens
 
 
+def draw(logits: torch.Tensor, draws: SamplingPlan, dev: DevicePlan) -> np.ndarray:
+    """A plain step's tokens, one per row of ``logits``: its ``draws`` (``plan_draws``,
+    uploaded in ``dev``) chosen on the device, copied down once, and drawn again exactly
+    where the CPU's nucleus could not decide (``exact_rows``)."""
+    args = SamplingArgs.bind(draws, dev)
+    return exact_rows(logits, args, download(choose(logits, args,
+                                                    candidates_for(logits.device))))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], labels: list[str],
            steps: list[int], history: Sequence[tuple[Sequence[int], Sequence[int]]] | None
            = None) -> list[int]:

@@ -27,17 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.model import (
-    BatchItem,
-    HostPlan,
-    ModelRunner,
-    SamplingArgs,
-    candidates_for,
-    choose,
-    download,
-    exact_rows,
-    plan_draws,
-)
+from common.model import BatchItem, HostPlan, ModelRunner, draw, plan_draws
 from common.request import Request
 
 logger = logging.getLogger(__name__)
@@ -116,9 +106,7 @@ class PrefillEngine:
         h = runner.run(target, dev)
         if finished:
             logits = runner.head(target, h, dev[last])
-            args = SamplingArgs.bind(draws, dev)
-            tokens = exact_rows(logits, args, download(choose(logits, args,
-                                                              candidates_for(runner.device))))
+            tokens = draw(logits, draws, dev)
             for (_, req), tok in zip(finished, tokens):
                 req.output.append(int(tok))
             if on_sampled is not None:

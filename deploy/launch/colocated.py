@@ -25,16 +25,7 @@ import torch
 from common import trace
 from common.control import Done, Load, Req, unpack_ids
 from common.metrics import watch_host
-from common.model import (
-    HostPlan,
-    ModelRunner,
-    SamplingArgs,
-    candidates_for,
-    choose,
-    download,
-    exact_rows,
-    plan_draws,
-)
+from common.model import HostPlan, ModelRunner, draw, plan_draws
 from common.node import PrefillEngine, WorkerBase
 from common.request import Request, SamplingParams
 from decode_node.scheduler import DecodeScheduler
@@ -168,9 +159,7 @@ class ColocatedWorker(WorkerBase):
                                  np.int64))
         dev = host.upload()
         logits = runner.logits(pp, dev, runner.run(pp, dev), padded=True)[dev[rows]]
-        args = SamplingArgs.bind(draws, dev)
-        tokens = exact_rows(logits, args, download(choose(logits, args,
-                                                          candidates_for(runner.device))))
+        tokens = draw(logits, draws, dev)
         tokens = [int(t) for t in tokens]
         for s in seqs:
             cache.commit(s.kv, 1)
